@@ -1,0 +1,206 @@
+//! The binary interface shared by the kernels and the host library.
+//!
+//! Every struct here is `#[repr(C)]` and is used, from this one file, by the
+//! PTX kernels and by the host code that allocates, fills and reads them.
+//! Sizes and field offsets are asserted at compile time, so a change that
+//! would make host and device disagree fails to build.
+
+/// Largest group the kernels support.
+pub const MAX_RANKS: usize = 8;
+
+/// Largest number of thread blocks per rank in one launch. Each block owns a
+/// row of flags in every [`Signal`], so this bounds the signal size.
+pub const MAX_BLOCKS: usize = 32;
+
+/// Bytes per vector access: each thread moves 16-byte packs.
+pub const PACK_BYTES: usize = 16;
+
+/// Required alignment of every input, output, scratch and staging pointer.
+pub const BUFFER_ALIGN: usize = PACK_BYTES;
+
+/// The three flag sets of a collective. Separate sets are needed because a
+/// fast peer can reach barrier k+1 while a slow one still polls barrier k.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BarrierKind {
+    /// Before any rank reads a peer's input.
+    Start = 1,
+    /// Two-stage only: between reduce-scatter and all-gather.
+    Mid = 2,
+    /// After every read of peer memory, before anyone may reuse its buffers.
+    End = 3,
+}
+
+impl BarrierKind {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(Self::Start),
+            2 => Some(Self::Mid),
+            3 => Some(Self::End),
+            _ => None,
+        }
+    }
+}
+
+/// Codes a kernel writes into [`ErrorRecord::code`].
+pub mod error_code {
+    /// No error.
+    pub const NONE: u32 = 0;
+    /// A peer did not arrive at a barrier within the timeout.
+    pub const PEER_TIMEOUT: u32 = 1;
+    /// The launch shape is outside what the signal layout supports
+    /// (more than [`super::MAX_BLOCKS`] blocks, or fewer threads than ranks).
+    pub const BAD_LAUNCH: u32 = 2;
+}
+
+/// What a kernel leaves behind instead of hanging. The first failing thread of
+/// a rank claims the record (compare-and-swap on `code` in its own memory,
+/// never a peer's), so the record describes one consistent failure.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErrorRecord {
+    /// One of [`error_code`].
+    pub code: u32,
+    /// The rank that wrote the record.
+    pub rank: u32,
+    /// The block of that rank that failed.
+    pub block: u32,
+    /// The peer that never arrived (for `PEER_TIMEOUT`).
+    pub peer: u32,
+    /// The epoch the block was waiting for.
+    pub epoch: u32,
+    /// Which barrier, as a [`BarrierKind`] value.
+    pub barrier: u32,
+    pub _reserved: [u32; 2],
+}
+
+/// One rank's signal buffer, in memory every peer can map.
+///
+/// `start[b][p]` in rank r's signal is written by peer p's block b when it
+/// reaches the start barrier, and read by rank r's block b. Flags hold the
+/// epoch of the collective; `epoch[b]` is owned by block b of this rank and
+/// is advanced on the device, so the same launch can be replayed in a CUDA
+/// graph. Zeroed memory is a valid initial state: epochs start at 1.
+#[repr(C, align(128))]
+#[derive(Clone, Copy)]
+pub struct Signal {
+    pub start: [[u32; MAX_RANKS]; MAX_BLOCKS],
+    pub mid: [[u32; MAX_RANKS]; MAX_BLOCKS],
+    pub end: [[u32; MAX_RANKS]; MAX_BLOCKS],
+    pub epoch: [u32; MAX_BLOCKS],
+    pub error: ErrorRecord,
+    pub _pad: [u32; 216],
+}
+
+impl Signal {
+    /// Byte offset of the flag that `from` writes into this signal for block
+    /// `block` at barrier `kind`.
+    pub const fn flag_offset(kind: BarrierKind, block: usize, from: usize) -> usize {
+        let set = match kind {
+            BarrierKind::Start => 0,
+            BarrierKind::Mid => 1,
+            BarrierKind::End => 2,
+        };
+        (set * MAX_BLOCKS * MAX_RANKS + block * MAX_RANKS + from) * 4
+    }
+    pub const EPOCH_OFFSET: usize = 3 * MAX_BLOCKS * MAX_RANKS * 4;
+    pub const ERROR_OFFSET: usize = Self::EPOCH_OFFSET + MAX_BLOCKS * 4;
+}
+
+/// Peer pointers as seen from one rank's address space: every rank's input
+/// (staging or registered buffer), scratch and signal. Lives in device memory;
+/// kernels get a pointer to it, so tables filled after a CUDA-graph capture
+/// are picked up on replay. With virtual ranks all ranks share one table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankTable {
+    pub inputs: [u64; MAX_RANKS],
+    pub scratch: [u64; MAX_RANKS],
+    pub signals: [u64; MAX_RANKS],
+}
+
+/// The one by-value kernel parameter of every allreduce entry point.
+///
+/// `outputs[r]` is rank r's output; a real-rank launch fills only its own
+/// slot. The rank is `rank` for real-rank entries and `blockIdx.y` for the
+/// `_virtual` entries.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchArgs {
+    /// Device pointer to a [`RankTable`].
+    pub table: u64,
+    pub outputs: [u64; MAX_RANKS],
+    /// Elements (not bytes) in the message.
+    pub count: u64,
+    /// Barrier timeout in nanoseconds of `%globaltimer`; 0 waits forever.
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub _reserved: u32,
+}
+
+// Layout checks: the host writes these bytes and the PTX reads them.
+const _: () = {
+    use core::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<ErrorRecord>() == 32);
+    assert!(size_of::<Signal>() == 4096);
+    assert!(align_of::<Signal>() == 128);
+    assert!(offset_of!(Signal, mid) == Signal::flag_offset(BarrierKind::Mid, 0, 0));
+    assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0));
+    assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
+    assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
+    assert!(size_of::<RankTable>() == 192);
+    assert!(size_of::<LaunchArgs>() == 96);
+    assert!(offset_of!(LaunchArgs, outputs) == 8);
+    assert!(offset_of!(LaunchArgs, count) == 72);
+    assert!(offset_of!(LaunchArgs, timeout_ns) == 80);
+    assert!(offset_of!(LaunchArgs, rank) == 88);
+};
+
+/// Element types the kernels reduce.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F32 = 0,
+    F16 = 1,
+    Bf16 = 2,
+}
+
+impl Dtype {
+    pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+    pub const fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+    /// Elements per 16-byte pack.
+    pub const fn lanes(self) -> usize {
+        PACK_BYTES / self.size()
+    }
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The two kernel algorithms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Every rank reads every input and reduces the whole message.
+    OneStage,
+    /// Reduce-scatter into scratch, then all-gather.
+    TwoStage,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 2] = [Algorithm::OneStage, Algorithm::TwoStage];
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::OneStage => "one_stage",
+            Algorithm::TwoStage => "two_stage",
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! The flag protocol of every barrier, written once and generic over the
+//! atomic word and the clock, so the kernels use it with core atomics and
+//! `%globaltimer`, and the loom model runs the same code with loom atomics.
+//!
+//! Protocol for barrier kind K, block b, between rank r and peer p:
+//! 1. `arrive`: r stores the collective's epoch into p's signal at
+//!    `K[b][r]` with release semantics (all of r's earlier writes and reads
+//!    of this block are ordered before it);
+//! 2. `wait`: r polls its own signal at `K[b][p]` with acquire loads until it
+//!    holds the epoch, or until the timeout passes.
+//! Only plain stores and loads touch peer memory: PCIe peer-to-peer has no
+//! read-modify-write atomics.
+//!
+//! Why equality is enough: within one flag set a peer can be at most one
+//! epoch ahead of the slot's reader only after the reader has passed that
+//! barrier (to write `End` for epoch e+1 the peer must pass `Start` for
+//! e+1, which needs the reader's arrival there, which comes after the
+//! reader's `End` wait for e). So a slot never skips the value being waited
+//! for.
+
+/// A 32-bit flag in memory another rank can see.
+pub trait FlagWord {
+    fn load_acquire(&self) -> u32;
+    fn store_release(&self, value: u32);
+}
+
+impl FlagWord for core::sync::atomic::AtomicU32 {
+    #[inline(always)]
+    fn load_acquire(&self) -> u32 {
+        // Lowers to ld.acquire.sys on sm_70+.
+        self.load(core::sync::atomic::Ordering::Acquire)
+    }
+    #[inline(always)]
+    fn store_release(&self, value: u32) {
+        // Lowers to st.release.sys on sm_70+.
+        self.store(value, core::sync::atomic::Ordering::Release)
+    }
+}
+
+/// Time source for bounded waits.
+pub trait Clock {
+    /// Nanoseconds from an arbitrary origin, non-decreasing.
+    fn now_ns(&mut self) -> u64;
+    /// Called once per unsuccessful poll (a yield under loom, a no-op or a
+    /// short sleep on the GPU).
+    #[inline(always)]
+    fn relax(&mut self) {}
+}
+
+/// Polls between two clock reads: reading `%globaltimer` every iteration
+/// would slow the fast path of the loop for no gain.
+pub const POLLS_PER_CLOCK_READ: u32 = 32;
+
+/// The epoch that follows `prev`. Zero is never used, so zeroed signal
+/// memory never looks like an arrival.
+#[inline(always)]
+pub const fn next_epoch(prev: u32) -> u32 {
+    let e = prev.wrapping_add(1);
+    if e == 0 {
+        1
+    } else {
+        e
+    }
+}
+
+/// Step 1: tell the peer we arrived.
+#[inline(always)]
+pub fn arrive<F: FlagWord + ?Sized>(slot_in_peer: &F, epoch: u32) {
+    slot_in_peer.store_release(epoch);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    Arrived,
+    TimedOut,
+}
+
+/// Step 2: wait for the peer's arrival. `timeout_ns == 0` waits forever.
+#[inline(always)]
+pub fn wait<F: FlagWord + ?Sized, C: Clock>(
+    own_slot: &F,
+    epoch: u32,
+    timeout_ns: u64,
+    clock: &mut C,
+) -> Wait {
+    if own_slot.load_acquire() == epoch {
+        return Wait::Arrived;
+    }
+    let t0 = if timeout_ns != 0 { clock.now_ns() } else { 0 };
+    let mut polls: u32 = 0;
+    loop {
+        if own_slot.load_acquire() == epoch {
+            return Wait::Arrived;
+        }
+        clock.relax();
+        polls = polls.wrapping_add(1);
+        if timeout_ns != 0 && polls % POLLS_PER_CLOCK_READ == 0 {
+            let now = clock.now_ns();
+            if now.wrapping_sub(t0) > timeout_ns {
+                // One last look, so an arrival racing with the deadline wins.
+                return if own_slot.load_acquire() == epoch {
+                    Wait::Arrived
+                } else {
+                    Wait::TimedOut
+                };
+            }
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! A small cuda_std-style module: the GPU intrinsics the kernels need, with
+//! the names a CUDA programmer knows. Only compiled for `nvptx64`.
+//!
+//! Index intrinsics come from `core::arch::nvptx`; everything else is inline
+//! PTX. Memory-touching asm blocks are not marked `nomem`, so the compiler
+//! keeps them ordered with the surrounding loads and stores.
+
+use crate::numeric::Pack;
+use core::arch::asm;
+use core::arch::nvptx;
+
+#[inline(always)]
+pub fn thread_idx_x() -> u32 {
+    // SAFETY: reads a special register; always valid inside a kernel.
+    unsafe { nvptx::_thread_idx_x() as u32 }
+}
+#[inline(always)]
+pub fn block_idx_x() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_idx_x() as u32 }
+}
+#[inline(always)]
+pub fn block_idx_y() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_idx_y() as u32 }
+}
+#[inline(always)]
+pub fn block_dim_x() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_dim_x() as u32 }
+}
+#[inline(always)]
+pub fn grid_dim_x() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_grid_dim_x() as u32 }
+}
+
+/// `__syncthreads()`: every thread of the block must call it.
+#[inline(always)]
+pub fn sync_threads() {
+    // SAFETY: callers keep control flow uniform across the block up to
+    // here (the kernel crate is built with MIR jump threading off so the
+    // compiler cannot duplicate it into divergent branches).
+    unsafe { asm!("bar.sync 0;", options(nostack)) }
+}
+
+/// `__syncthreads_or(pred)`: a barrier that also returns whether any thread
+/// of the block passed `true`.
+#[inline(always)]
+pub fn sync_threads_or(pred: bool) -> bool {
+    let r: u32;
+    // SAFETY: as for `sync_threads`; bar.red.or is a barrier plus a reduction.
+    unsafe {
+        asm!(
+            "{{ .reg .pred p, q;",
+            "setp.ne.u32 p, {x}, 0;",
+            "bar.red.or.pred q, 0, p;",
+            "selp.u32 {r}, 1, 0, q; }}",
+            x = in(reg32) pred as u32, r = out(reg32) r,
+            options(nostack));
+    }
+    r != 0
+}
+
+/// `%globaltimer`: a nanosecond clock shared by the whole GPU.
+#[inline(always)]
+pub fn global_timer_ns() -> u64 {
+    let t: u64;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u64 {t}, %globaltimer;", t = out(reg64) t, options(nomem, nostack)) }
+    t
+}
+
+/// `__threadfence_system()`.
+#[inline(always)]
+pub fn thread_fence_system() {
+    // SAFETY: a fence has no operands.
+    unsafe { asm!("fence.acq_rel.sys;", options(nostack)) }
+}
+
+/// 16-byte global load (`ld.global.v4.u32`).
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address valid for reads.
+#[inline(always)]
+pub unsafe fn ld_pack(p: *const Pack) -> Pack {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees alignment and validity.
+    asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+        p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+        options(nostack, readonly));
+    [a, b, c, d]
+}
+
+/// 16-byte global store (`st.global.v4.u32`).
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address valid for writes.
+#[inline(always)]
+pub unsafe fn st_pack(p: *mut Pack, v: Pack) {
+    // SAFETY: the caller guarantees alignment and validity.
+    asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+        p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+        options(nostack));
+}
+
+/// `atomicCAS` on a 32-bit word in this GPU's own memory. Never used on
+/// peer memory (PCIe P2P has no remote atomics).
+///
+/// # Safety
+/// `p` must be a valid, 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atomic_cas_u32(p: *mut u32, compare: u32, value: u32) -> u32 {
+    let old: u32;
+    // SAFETY: the caller guarantees validity.
+    asm!("atom.global.cas.b32 {o}, [{p}], {c}, {v};",
+        o = out(reg32) old, p = in(reg64) p, c = in(reg32) compare, v = in(reg32) value,
+        options(nostack));
+    old
+}
+
+/// The `Clock` of bounded barrier waits on the GPU.
+pub struct GlobalTimer;
+
+impl crate::barrier::Clock for GlobalTimer {
+    #[inline(always)]
+    fn now_ns(&mut self) -> u64 {
+        global_timer_ns()
+    }
+}
+
+/// Never returns; the kernel crate's panic handler. Kernels are written so
+/// no panic path survives optimisation (the PTX check rejects the `.extern`
+/// functions a surviving panic would need).
+#[inline(always)]
+pub fn trap() -> ! {
+    // SAFETY: `trap` aborts the kernel.
+    unsafe { asm!("trap;", options(noreturn, nostack)) }
+}

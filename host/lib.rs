@@ -1,0 +1,18 @@
+//! p2p-allreduce: deterministic allreduce kernels written in Rust, compiled
+//! to PTX, with a host library on cudarc.
+//!
+//! - [`ptx`]: the embedded PTX modules and the entry-point index (kernel
+//!   provider interface).
+//! - [`abi`]: the `#[repr(C)]` structs shared with the kernels.
+//! - [`reference`]: the CPU oracle of the determinism contract.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub use p2p_allreduce_device::abi;
+pub use p2p_allreduce_device::abi::{Algorithm, Dtype};
+/// The kernel crate's pure pieces (element types, reduction, partitioning,
+/// barrier protocol), compiled for the host.
+pub use p2p_allreduce_device as device;
+
+pub mod ptx;
+pub mod ptxas;
+pub mod reference;

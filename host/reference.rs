@@ -1,0 +1,1 @@
+//! CPU reference allreduce (the oracle). Being written.
