@@ -16,3 +16,12 @@ pub use p2p_allreduce_device as device;
 pub mod ptx;
 pub mod ptxas;
 pub mod reference;
+pub mod driver;
+pub mod error;
+pub mod group;
+pub mod plan;
+
+pub use error::{Error, Result};
+pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, VirtualGroup};
+pub use plan::{AlgoChoice, Config, Link, Thresholds};
+pub mod measure;

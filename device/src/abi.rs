@@ -135,7 +135,9 @@ pub struct LaunchArgs {
     /// Barrier timeout in nanoseconds of `%globaltimer`; 0 waits forever.
     pub timeout_ns: u64,
     pub rank: u32,
-    pub _reserved: u32,
+    /// Fault injection for tests: ranks whose bit is set leave the kernel
+    /// at once, as a dead peer would. Zero in normal use.
+    pub absent_ranks: u32,
 }
 
 // Layout checks: the host writes these bytes and the PTX reads them.

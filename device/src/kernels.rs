@@ -125,7 +125,11 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(
     count: u64,
     timeout_ns: u64,
     rank: u32,
+    absent_ranks: u32,
 ) {
+    if (absent_ranks >> rank) & 1 != 0 {
+        return;
+    }
     let t = &*(table as *const RankTable);
     let block = block_idx_x();
     let nblocks = grid_dim_x();
@@ -228,12 +232,12 @@ macro_rules! entries {
     ($( $name:ident, $vname:ident: $E:ty, $N:literal, $two:literal; )*) => { $(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: LaunchArgs) {
-            allreduce::<$E, $N, $two>(a.table, pick::<$N>(&a.outputs, a.rank), a.count, a.timeout_ns, a.rank)
+            allreduce::<$E, $N, $two>(a.table, pick::<$N>(&a.outputs, a.rank), a.count, a.timeout_ns, a.rank, a.absent_ranks)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $vname(a: LaunchArgs) {
             let rank = block_idx_y();
-            allreduce::<$E, $N, $two>(a.table, pick::<$N>(&a.outputs, rank), a.count, a.timeout_ns, rank)
+            allreduce::<$E, $N, $two>(a.table, pick::<$N>(&a.outputs, rank), a.count, a.timeout_ns, rank, a.absent_ranks)
         }
     )* };
 }

@@ -1,0 +1,205 @@
+//! Thin, checked wrappers over the CUDA driver (through cudarc's dynamic
+//! loading): driver presence, device facts, owned allocations, and the
+//! loaded kernel module. Nothing here knows about allreduce semantics.
+
+use crate::error::{Context as _, Error, Result};
+use crate::ptx::{self, Entry, PtxModule};
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex};
+
+/// Whether libcuda can be loaded. cudarc panics on first use without it, so
+/// every entry point asks this first.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Number of CUDA devices, or `Error::NoDriver`.
+pub fn device_count() -> Result<usize> {
+    if !driver_present() {
+        return Err(Error::NoDriver);
+    }
+    let n = CudaContext::device_count().during("cuDeviceGetCount")?;
+    Ok(n.max(0) as usize)
+}
+
+/// Opens (retains the primary context of) device `ordinal`.
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+    if !driver_present() {
+        return Err(Error::NoDriver);
+    }
+    CudaContext::new(ordinal).during("opening the device (cuDevicePrimaryCtxRetain)")
+}
+
+/// Facts about one device.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (u32, u32),
+    pub multiprocessors: u32,
+    pub total_mem: usize,
+}
+
+pub fn device_info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
+    let (major, minor) = ctx.compute_capability().during("cuDeviceGetAttribute(compute capability)")?;
+    let sms = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .during("cuDeviceGetAttribute(multiprocessors)")?;
+    Ok(DeviceInfo {
+        ordinal: ctx.ordinal(),
+        name: ctx.name().during("cuDeviceGetName")?,
+        compute_capability: (major as u32, minor as u32),
+        multiprocessors: sms as u32,
+        total_mem: ctx.total_mem().during("cuDeviceTotalMem")?,
+    })
+}
+
+/// The embedded PTX this device would run.
+pub fn module_for_device(ctx: &Arc<CudaContext>) -> Result<&'static PtxModule> {
+    let (major, minor) = ctx.compute_capability().during("cuDeviceGetAttribute(compute capability)")?;
+    let (major, minor) = (major as u32, minor as u32);
+    ptx::module_for((major, minor)).ok_or_else(|| Error::NoPtxForDevice { major, minor, built: ptx::built_archs() })
+}
+
+/// Device memory from plain `cuMemAlloc` (so it can be exported as a CUDA
+/// IPC handle), zeroed at creation, freed on drop.
+pub struct DeviceAlloc {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DeviceAlloc {
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: the context is current; a zero-size request is rounded up
+        // so the pointer is always a real allocation.
+        let ptr = unsafe { result::malloc_sync(bytes.max(256)) }.during("cuMemAlloc")?;
+        let a = DeviceAlloc { ctx: ctx.clone(), ptr, bytes };
+        // SAFETY: `ptr` is a fresh allocation of at least `bytes` bytes.
+        unsafe { result::memset_d8_sync(ptr, 0, bytes.max(256)) }.during("cuMemsetD8")?;
+        Ok(a)
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Copies `src` into the start of the allocation (synchronous).
+    pub fn write<T: Copy>(&self, src: &[T]) -> Result<()> {
+        assert!(std::mem::size_of_val(src) <= self.bytes.max(256), "write past the end of a DeviceAlloc");
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: bounds checked above; T is plain data (Copy, repr(C) ABI structs).
+        unsafe { result::memcpy_htod_sync(self.ptr, src) }.during("cuMemcpyHtoD")
+    }
+    /// Reads the start of the allocation into `dst` (synchronous).
+    pub fn read<T: Copy>(&self, dst: &mut [T]) -> Result<()> {
+        assert!(std::mem::size_of_val(dst) <= self.bytes.max(256), "read past the end of a DeviceAlloc");
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: bounds checked above; every bit pattern is valid for the
+        // plain-data types read here (u32 words, repr(C) records of u32).
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr) }.during("cuMemcpyDtoH")
+    }
+    /// Zeroes the allocation, ordered on `stream`.
+    pub fn zero_async(&self, stream: &CudaStream) -> Result<()> {
+        // SAFETY: the allocation is live for as long as `self`.
+        unsafe { result::memset_d8_async(self.ptr, 0, self.bytes.max(256), stream.cu_stream()) }
+            .during("cuMemsetD8Async")
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        // Errors cannot be returned from drop; a failing free leaks.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc and is freed exactly once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// The kernel module loaded into one context, with entry lookups cached.
+pub struct Kernels {
+    ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+    pub ptx: &'static PtxModule,
+    functions: Mutex<HashMap<Entry, usize>>,
+}
+
+// SAFETY: CUmodule and CUfunction handles are usable from any thread once the
+// owning context is current; all use goes through `ctx.bind_to_thread()`.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; the function cache is behind a Mutex.
+unsafe impl Sync for Kernels {}
+
+/// Modules already loaded, per context: loading means JIT-compiling the PTX,
+/// so groups on the same context share one module. Weak, so the module is
+/// unloaded when the last group using it is dropped.
+static LOADED: Mutex<Vec<(usize, std::sync::Weak<Kernels>)>> = Mutex::new(Vec::new());
+
+impl Kernels {
+    /// The module for `ctx`, loaded once and shared.
+    pub fn for_context(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
+        let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        loaded.retain(|(_, w)| w.strong_count() > 0);
+        let key = ctx.cu_ctx() as usize;
+        if let Some(k) = loaded.iter().find(|(c, _)| *c == key).and_then(|(_, w)| w.upgrade()) {
+            return Ok(k);
+        }
+        let k = Arc::new(Self::load(ctx)?);
+        loaded.push((key, Arc::downgrade(&k)));
+        Ok(k)
+    }
+
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let ptx = module_for_device(ctx)?;
+        ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        let src = CString::new(ptx.ptx).expect("embedded PTX has no NUL byte");
+        // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
+        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }.during("cuModuleLoadData")?;
+        Ok(Kernels { ctx: ctx.clone(), module, ptx, functions: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn function(&self, entry: Entry) -> Result<sys::CUfunction> {
+        let mut cache = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = cache.get(&entry) {
+            return Ok(*f as sys::CUfunction);
+        }
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        let name = CString::new(entry.name()).expect("entry names have no NUL byte");
+        // SAFETY: the module is loaded and stays loaded while `self` lives.
+        let f = unsafe { result::module::get_function(self.module, name) }.during("cuModuleGetFunction")?;
+        cache.insert(entry, f as usize);
+        Ok(f)
+    }
+
+    /// How many blocks of `threads` threads of `entry` fit on the whole GPU at once.
+    pub fn co_resident_blocks(&self, entry: Entry, threads: u32) -> Result<u32> {
+        let f = self.function(entry)?;
+        let sms = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .during("cuDeviceGetAttribute(multiprocessors)")?;
+        // SAFETY: `f` is a valid function of a loaded module.
+        let per_sm = unsafe { result::occupancy::max_active_block_per_multiprocessor(f, threads as i32, 0) }
+            .during("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+        Ok((per_sm.max(0) as u32) * sms as u32)
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the module was loaded by `load` and is unloaded once.
+            let _ = unsafe { result::module::unload(self.module) };
+        }
+    }
+}

@@ -1,0 +1,637 @@
+//! Groups of ranks and the allreduce call.
+//!
+//! - [`VirtualGroup`]: N ranks on one GPU in one process; one launch runs all
+//!   ranks (rank = `blockIdx.y`). This is how one GPU tests the real kernels
+//!   and the real barrier protocol.
+//! - [`PeerGroup`]: one rank per context in one process (several GPUs with
+//!   peer access, or several ranks on one GPU), one launch per rank on that
+//!   rank's stream.
+//!
+//! Inputs are either staged (copied into the rank's staging buffer on the
+//! stream first; any buffer, any alignment, in place allowed) or registered
+//! (buffers the group owns and peers read directly; zero copy).
+
+use crate::abi::{
+    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, LaunchArgs, RankTable, Signal, BUFFER_ALIGN, MAX_RANKS,
+};
+use crate::driver::{DeviceAlloc, Kernels};
+use crate::error::{Context as _, Error, Result};
+use crate::plan::{blocks_for, AlgoChoice, Config, Link};
+use crate::ptx::Entry;
+use cudarc::driver::{result, sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+/// Element types with kernels: `f32`, `half::f16`, `half::bf16`.
+pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + 'static {
+    const DTYPE: Dtype;
+}
+impl DeviceElement for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+}
+impl DeviceElement for half::f16 {
+    const DTYPE: Dtype = Dtype::F16;
+}
+impl DeviceElement for half::bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
+}
+
+/// One rank's group-owned memory.
+struct RankBuffers {
+    staging: DeviceAlloc,
+    scratch: DeviceAlloc,
+    signal: DeviceAlloc,
+}
+
+impl RankBuffers {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        Ok(RankBuffers {
+            staging: DeviceAlloc::zeroed(ctx, bytes)?,
+            scratch: DeviceAlloc::zeroed(ctx, bytes)?,
+            signal: DeviceAlloc::zeroed(ctx, std::mem::size_of::<Signal>())?,
+        })
+    }
+}
+
+fn check_world(world: usize) -> Result<()> {
+    if world == 0 || world > MAX_RANKS {
+        return Err(Error::WorldSize(world));
+    }
+    Ok(())
+}
+
+fn check_count(what: &'static str, got: usize, world: usize) -> Result<()> {
+    if got != world {
+        return Err(Error::RankCount { what, got, world });
+    }
+    Ok(())
+}
+
+fn check_aligned(what: &'static str, rank: usize, ptr: u64) -> Result<()> {
+    if ptr % BUFFER_ALIGN as u64 != 0 {
+        return Err(Error::Misaligned { what, rank, ptr, align: BUFFER_ALIGN });
+    }
+    Ok(())
+}
+
+fn table(inputs: impl Fn(usize) -> u64, bufs: &[&RankBuffers]) -> RankTable {
+    let mut t = RankTable::default();
+    for (r, b) in bufs.iter().enumerate() {
+        t.inputs[r] = inputs(r);
+        t.scratch[r] = b.scratch.ptr();
+        t.signals[r] = b.signal.ptr();
+    }
+    t
+}
+
+/// Reads every rank's error record and turns the first one into an error.
+fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
+    for (rank, sig) in signals.iter().enumerate() {
+        let mut words = [0u32; Signal::ERROR_OFFSET / 4 + 8];
+        sig.read(&mut words)?;
+        let w = &words[Signal::ERROR_OFFSET / 4..];
+        let rec = ErrorRecord {
+            code: w[0],
+            rank: w[1],
+            block: w[2],
+            peer: w[3],
+            epoch: w[4],
+            barrier: w[5],
+            _reserved: [0; 2],
+        };
+        match rec.code {
+            error_code::NONE => {}
+            error_code::PEER_TIMEOUT => {
+                return Err(Error::PeerTimeout {
+                    rank,
+                    block: rec.block,
+                    peer: rec.peer,
+                    barrier: BarrierKind::from_u32(rec.barrier).unwrap_or(BarrierKind::Start),
+                    epoch: rec.epoch,
+                })
+            }
+            error_code::BAD_LAUNCH => return Err(Error::BadLaunch { rank, block: rec.block }),
+            code => return Err(Error::UnknownKernelError { rank, code }),
+        }
+    }
+    Ok(())
+}
+
+/// Launches `entry` with one by-value [`LaunchArgs`].
+///
+/// # Safety
+/// Every pointer in `args` (and in the table it points to) must be valid
+/// device memory of the sizes the kernel will touch for `args.count`.
+unsafe fn launch(
+    kernels: &Kernels,
+    stream: &CudaStream,
+    entry: Entry,
+    grid: (u32, u32),
+    threads: u32,
+    args: &LaunchArgs,
+) -> Result<()> {
+    let f = kernels.function(entry)?;
+    let mut params = [args as *const LaunchArgs as *mut c_void];
+    // SAFETY: `f` takes exactly one parameter of LaunchArgs' size and layout
+    // (asserted in abi.rs and checked against the PTX by tests/ptx.rs); the
+    // driver copies the parameter bytes before returning.
+    unsafe { result::launch_kernel(f, (grid.0, grid.1, 1), (threads, 1, 1), 0, stream.cu_stream(), &mut params) }
+        .during("cuLaunchKernel")
+}
+
+/// Shared state checks of both group kinds.
+struct Health(Mutex<Option<String>>);
+
+impl Health {
+    fn new() -> Self {
+        Health(Mutex::new(None))
+    }
+    fn ensure_ok(&self) -> Result<()> {
+        match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(Error::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+    fn poison(&self, e: &Error) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+    }
+    fn clear(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+/// Elements per chunk: the buffer capacity, rounded down to whole packs so
+/// every chunk boundary stays 16-byte aligned.
+fn chunk_elems(capacity_bytes: usize, dtype: Dtype) -> usize {
+    (capacity_bytes / crate::abi::PACK_BYTES) * dtype.lanes()
+}
+
+/// Registered (zero-copy) input buffers, one per rank, owned by this value.
+/// Peers read them directly, so the collective needs no copy. Write your
+/// data into `ptr(rank)` (e.g. as the output of your own kernel) before the
+/// allreduce on the same stream.
+pub struct RegisteredBuffers<T: DeviceElement> {
+    bufs: Vec<DeviceAlloc>,
+    /// One table per owning rank (virtual groups use only the first).
+    tables: Vec<DeviceAlloc>,
+    len: usize,
+    ctxs: Vec<Arc<CudaContext>>,
+    _t: PhantomData<T>,
+}
+
+impl<T: DeviceElement> RegisteredBuffers<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Device pointer of rank `rank`'s buffer (16-byte aligned).
+    pub fn ptr(&self, rank: usize) -> u64 {
+        self.bufs[rank].ptr()
+    }
+    /// Copies `src` into rank `rank`'s buffer, ordered on `stream`.
+    pub fn copy_from(&self, rank: usize, stream: &Arc<CudaStream>, src: &CudaSlice<T>) -> Result<()> {
+        if src.len() > self.len {
+            return Err(Error::BufferTooSmall { what: "registered buffer", rank, len: self.len, need: src.len() });
+        }
+        let (p, _g) = src.device_ptr(stream);
+        // SAFETY: both ranges are live device memory of at least src.len() elements.
+        unsafe {
+            result::memcpy_dtod_async(self.bufs[rank].ptr(), p, src.len() * Dtype::size(T::DTYPE), stream.cu_stream())
+        }
+        .during("cuMemcpyDtoDAsync (registered input)")
+    }
+}
+
+impl<T: DeviceElement> Drop for RegisteredBuffers<T> {
+    fn drop(&mut self) {
+        // A kernel still in flight may read these buffers: wait for the
+        // devices before the allocations are freed.
+        for c in &self.ctxs {
+            let _ = c.synchronize();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+/// N ranks on one GPU, one launch per collective.
+pub struct VirtualGroup {
+    world: usize,
+    config: Config,
+    kernels: Arc<Kernels>,
+    ranks: Vec<RankBuffers>,
+    staged_table: DeviceAlloc,
+    health: Health,
+}
+
+impl VirtualGroup {
+    pub fn new(ctx: &Arc<CudaContext>, world: usize, config: Config) -> Result<Self> {
+        check_world(world)?;
+        config.validate().map_err(Error::Config)?;
+        let kernels = Kernels::for_context(ctx)?;
+        let ranks = (0..world).map(|_| RankBuffers::new(ctx, config.max_bytes)).collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&RankBuffers> = ranks.iter().collect();
+        let t = table(|r| ranks[r].staging.ptr(), &refs);
+        let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
+        staged_table.write(std::slice::from_ref(&t))?;
+        Ok(VirtualGroup { world, config, kernels, ranks, staged_table, health: Health::new() })
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// Staged allreduce of `inputs[r]` into `outputs[r]` for every rank r,
+    /// ordered on `stream`. Returns the algorithm used. Errors found by the
+    /// kernels (a peer timeout) are reported by [`VirtualGroup::check`].
+    pub fn allreduce<T: DeviceElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        inputs: &[&CudaSlice<T>],
+        outputs: &mut [CudaSlice<T>],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("inputs", inputs.len(), self.world)?;
+        check_count("outputs", outputs.len(), self.world)?;
+        let count = inputs[0].len();
+        for (r, (i, o)) in inputs.iter().zip(outputs.iter()).enumerate() {
+            if i.len() != count {
+                return Err(Error::RankMismatch { rank: r, dtype: T::DTYPE, count: i.len(), dtype0: T::DTYPE, count0: count });
+            }
+            if o.len() < count {
+                return Err(Error::BufferTooSmall { what: "output", rank: r, len: o.len(), need: count });
+            }
+        }
+        let ins: Vec<_> = inputs.iter().map(|s| s.device_ptr(stream)).collect();
+        let outs: Vec<_> = outputs.iter_mut().map(|s| s.device_ptr_mut(stream)).collect();
+        let in_ptrs: Vec<u64> = ins.iter().map(|p| p.0).collect();
+        let out_ptrs: Vec<u64> = outs.iter().map(|p| p.0).collect();
+        // SAFETY: every pointer comes from a live CudaSlice of at least `count` elements.
+        unsafe { self.allreduce_raw(stream, T::DTYPE, count, &in_ptrs, &out_ptrs, algo) }
+    }
+
+    /// [`VirtualGroup::allreduce`] on raw device pointers.
+    ///
+    /// # Safety
+    /// `inputs[r]` must be valid for reads and `outputs[r]` for writes of
+    /// `count` elements of `dtype`, until the work on `stream` completes.
+    pub unsafe fn allreduce_raw(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        count: usize,
+        inputs: &[u64],
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        check_count("inputs", inputs.len(), self.world)?;
+        check_count("outputs", outputs.len(), self.world)?;
+        for (r, &o) in outputs.iter().enumerate() {
+            check_aligned("output", r, o)?;
+        }
+        let size = dtype.size();
+        let bytes = count * size;
+        if bytes > self.config.max_bytes && !self.config.chunking {
+            return Err(Error::MessageTooLarge { bytes, capacity: self.config.max_bytes });
+        }
+        let chunk = chunk_elems(self.config.max_bytes, dtype);
+        let mut off = 0usize;
+        loop {
+            let n = (count - off).min(chunk);
+            for (r, &i) in inputs.iter().enumerate() {
+                if n > 0 {
+                    // SAFETY: caller guarantees inputs[r] holds `count`
+                    // elements; staging holds max_bytes >= n * size.
+                    unsafe {
+                        result::memcpy_dtod_async(
+                            self.ranks[r].staging.ptr(),
+                            i + (off * size) as u64,
+                            n * size,
+                            stream.cu_stream(),
+                        )
+                    }
+                    .during("cuMemcpyDtoDAsync (staging)")?;
+                }
+            }
+            let outs: Vec<u64> = outputs.iter().map(|&o| o + (off * size) as u64).collect();
+            let used = self.config.thresholds.choose(algo, n * size, self.world, Link::SameDevice);
+            // SAFETY: staging/scratch/signals are this group's live buffers,
+            // the outputs are valid per the caller's contract.
+            unsafe { self.launch(stream, self.staged_table.ptr(), dtype, n, &outs, used, 0)? };
+            off += n;
+            if off >= count {
+                return Ok(used);
+            }
+        }
+    }
+
+    /// Allocates registered (zero-copy) input buffers of `len` elements per rank.
+    pub fn alloc_registered<T: DeviceElement>(&self, len: usize) -> Result<RegisteredBuffers<T>> {
+        let ctx = self.kernels.context();
+        let bufs = (0..self.world)
+            .map(|_| DeviceAlloc::zeroed(ctx, len * T::DTYPE.size()))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&RankBuffers> = self.ranks.iter().collect();
+        let t = table(|r| bufs[r].ptr(), &refs);
+        let tab = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
+        tab.write(std::slice::from_ref(&t))?;
+        Ok(RegisteredBuffers { bufs, tables: vec![tab], len, ctxs: vec![ctx.clone()], _t: PhantomData })
+    }
+
+    /// Allreduce of the first `count` elements of registered buffers into
+    /// `outputs`. Messages larger than the scratch buffers run one-stage
+    /// (which needs no scratch and gives the same bits).
+    pub fn allreduce_registered<T: DeviceElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &mut [CudaSlice<T>],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        check_count("outputs", outputs.len(), self.world)?;
+        check_count("registered buffers", reg.bufs.len(), self.world)?;
+        if count > reg.len {
+            return Err(Error::BufferTooSmall { what: "registered buffer", rank: 0, len: reg.len, need: count });
+        }
+        let mut outs = Vec::with_capacity(self.world);
+        for (r, o) in outputs.iter_mut().enumerate() {
+            if o.len() < count {
+                return Err(Error::BufferTooSmall { what: "output", rank: r, len: o.len(), need: count });
+            }
+            let (p, g) = o.device_ptr_mut(stream);
+            check_aligned("output", r, p)?;
+            outs.push((p, g));
+        }
+        let out_ptrs: Vec<u64> = outs.iter().map(|p| p.0).collect();
+        let bytes = count * T::DTYPE.size();
+        let mut used = self.config.thresholds.choose(algo, bytes, self.world, Link::SameDevice);
+        if used == Algorithm::TwoStage && bytes > self.config.max_bytes {
+            used = Algorithm::OneStage;
+        }
+        // SAFETY: registered buffers hold >= count elements; outputs checked above.
+        unsafe { self.launch(stream, reg.tables[0].ptr(), T::DTYPE, count, &out_ptrs, used, 0)? };
+        Ok(used)
+    }
+
+    /// # Safety
+    /// `table` must point to a RankTable whose inputs hold `count` elements
+    /// (and scratch enough for two-stage), `outputs` valid for `count` writes.
+    unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        table: u64,
+        dtype: Dtype,
+        count: usize,
+        outputs: &[u64],
+        algo: Algorithm,
+        absent_ranks: u32,
+    ) -> Result<()> {
+        let c = &self.config;
+        let entry = Entry { algorithm: algo, dtype, world: self.world, virtual_ranks: true };
+        let blocks = blocks_for(algo, dtype, count, self.world, c.threads_per_block, c.max_blocks);
+        let capacity = self.kernels.co_resident_blocks(entry, c.threads_per_block)?;
+        let total = blocks * self.world as u32;
+        if total > capacity {
+            return Err(Error::NotCoResident { blocks: total, threads: c.threads_per_block, capacity });
+        }
+        let mut args = LaunchArgs { table, count: count as u64, timeout_ns: c.timeout_ns(), absent_ranks, ..Default::default() };
+        args.outputs[..outputs.len()].copy_from_slice(outputs);
+        // SAFETY: forwarded from the caller.
+        unsafe { launch(&self.kernels, stream, entry, (blocks, self.world as u32), c.threads_per_block, &args) }
+    }
+
+    /// Waits for `stream`, then reports any error the kernels recorded (a
+    /// peer timeout). After an error the group is poisoned until `reset`.
+    pub fn check(&self, stream: &CudaStream) -> Result<()> {
+        stream.synchronize().during("cuStreamSynchronize")?;
+        let sigs: Vec<&DeviceAlloc> = self.ranks.iter().map(|r| &r.signal).collect();
+        read_error_records(&sigs).inspect_err(|e| self.health.poison(e))
+    }
+
+    /// Brings every rank back to a clean state after an error: waits for the
+    /// device, zeroes all signals (epochs and error records).
+    pub fn reset(&self) -> Result<()> {
+        self.kernels.context().synchronize().during("cuCtxSynchronize")?;
+        for r in &self.ranks {
+            r.signal.write(&[0u8; std::mem::size_of::<Signal>()])?;
+        }
+        self.health.clear();
+        Ok(())
+    }
+
+    /// Fault injection for tests: a one-stage f32 collective over the
+    /// staging buffers in which the ranks in `absent_ranks` (a bit mask)
+    /// leave at once, as dead peers would. The present ranks must report a
+    /// timeout through [`VirtualGroup::check`].
+    #[doc(hidden)]
+    pub fn launch_with_absent_ranks(&self, stream: &Arc<CudaStream>, absent_ranks: u32, count: usize) -> Result<()> {
+        let count = count.min(self.config.max_bytes / 4);
+        let out = DeviceAlloc::zeroed(self.kernels.context(), count * 4)?;
+        let outs = vec![out.ptr(); self.world];
+        // SAFETY: staging holds max_bytes >= count * 4; `out` holds count f32
+        // (all ranks write the same values to it, which is harmless here).
+        unsafe { self.launch(stream, self.staged_table.ptr(), Dtype::F32, count, &outs, Algorithm::OneStage, absent_ranks)? };
+        stream.synchronize().during("cuStreamSynchronize")?;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+/// One rank per context in one process: several GPUs with peer access, or
+/// several ranks sharing a GPU (each launch on its own stream).
+pub struct PeerGroup {
+    world: usize,
+    config: Config,
+    link: Link,
+    ranks: Vec<PeerRank>,
+    health: Health,
+}
+
+struct PeerRank {
+    kernels: Arc<Kernels>,
+    bufs: RankBuffers,
+    staged_table: DeviceAlloc,
+}
+
+impl PeerGroup {
+    /// `contexts[r]` is rank r's device. Peer access is enabled between every
+    /// pair of distinct devices; a pair without a P2P path is an error.
+    pub fn new(contexts: &[Arc<CudaContext>], config: Config) -> Result<Self> {
+        let world = contexts.len();
+        check_world(world)?;
+        config.validate().map_err(Error::Config)?;
+        let mut link = Link::SameDevice;
+        for (a, ca) in contexts.iter().enumerate() {
+            for (b, cb) in contexts.iter().enumerate() {
+                if ca.cu_device() == cb.cu_device() {
+                    continue;
+                }
+                let mut can = 0i32;
+                // SAFETY: plain query with valid device handles and out-pointer.
+                unsafe { sys::cuDeviceCanAccessPeer(&mut can, ca.cu_device(), cb.cu_device()) }
+                    .result()
+                    .during("cuDeviceCanAccessPeer")?;
+                if can == 0 {
+                    return Err(Error::NoPeerAccess { a: ca.ordinal(), b: cb.ordinal() });
+                }
+                let mut atomics = 0i32;
+                // SAFETY: as above.
+                unsafe {
+                    sys::cuDeviceGetP2PAttribute(
+                        &mut atomics,
+                        sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                        ca.cu_device(),
+                        cb.cu_device(),
+                    )
+                }
+                .result()
+                .during("cuDeviceGetP2PAttribute")?;
+                // Native peer atomics are an NVLink property; PCIe P2P lacks them.
+                let l = if atomics != 0 { Link::NvLink } else { Link::Pcie };
+                link = match (link, l) {
+                    (Link::Pcie, _) | (_, Link::Pcie) => Link::Pcie,
+                    _ => Link::NvLink,
+                };
+                ca.bind_to_thread().during("cuCtxSetCurrent")?;
+                // SAFETY: both contexts are live; "already enabled" is not an error for us.
+                let r = unsafe { sys::cuCtxEnablePeerAccess(cb.cu_ctx(), 0) };
+                if r != sys::CUresult::CUDA_SUCCESS
+                    && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                {
+                    r.result().during("cuCtxEnablePeerAccess")?;
+                }
+                let _ = b;
+                let _ = a;
+            }
+        }
+        let mut ranks = Vec::with_capacity(world);
+        for ctx in contexts {
+            ranks.push((Kernels::for_context(ctx)?, RankBuffers::new(ctx, config.max_bytes)?));
+        }
+        let refs: Vec<&RankBuffers> = ranks.iter().map(|(_, b)| b).collect();
+        let t = table(|r| refs[r].staging.ptr(), &refs);
+        let mut out = Vec::with_capacity(world);
+        for (ctx, (kernels, bufs)) in contexts.iter().zip(ranks) {
+            let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
+            staged_table.write(std::slice::from_ref(&t))?;
+            out.push(PeerRank { kernels, bufs, staged_table });
+        }
+        Ok(PeerGroup { world, config, link, ranks: out, health: Health::new() })
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+    pub fn link(&self) -> Link {
+        self.link
+    }
+
+    /// Staged allreduce: rank r copies `inputs[r]` into its staging buffer and
+    /// launches on `streams[r]`. Returns the algorithm used.
+    pub fn allreduce<T: DeviceElement>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        inputs: &[&CudaSlice<T>],
+        outputs: &mut [CudaSlice<T>],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        check_count("streams", streams.len(), self.world)?;
+        check_count("inputs", inputs.len(), self.world)?;
+        check_count("outputs", outputs.len(), self.world)?;
+        let count = inputs[0].len();
+        let size = T::DTYPE.size();
+        let bytes = count * size;
+        if bytes > self.config.max_bytes && !self.config.chunking {
+            return Err(Error::MessageTooLarge { bytes, capacity: self.config.max_bytes });
+        }
+        let mut ins = Vec::new();
+        let mut outs = Vec::new();
+        for r in 0..self.world {
+            if inputs[r].len() != count {
+                return Err(Error::RankMismatch { rank: r, dtype: T::DTYPE, count: inputs[r].len(), dtype0: T::DTYPE, count0: count });
+            }
+            if outputs[r].len() < count {
+                return Err(Error::BufferTooSmall { what: "output", rank: r, len: outputs[r].len(), need: count });
+            }
+        }
+        for (r, (i, o)) in inputs.iter().zip(outputs.iter_mut()).enumerate() {
+            ins.push(i.device_ptr(&streams[r]));
+            let p = o.device_ptr_mut(&streams[r]);
+            check_aligned("output", r, p.0)?;
+            outs.push(p);
+        }
+        let chunk = chunk_elems(self.config.max_bytes, T::DTYPE);
+        let mut off = 0usize;
+        loop {
+            let n = (count - off).min(chunk);
+            let used = self.config.thresholds.choose(algo, n * size, self.world, self.link);
+            let c = &self.config;
+            let blocks = blocks_for(used, T::DTYPE, n, self.world, c.threads_per_block, c.max_blocks);
+            for (r, rank) in self.ranks.iter().enumerate() {
+                let entry = Entry { algorithm: used, dtype: T::DTYPE, world: self.world, virtual_ranks: false };
+                if n > 0 {
+                    // SAFETY: input holds `count` elements, staging holds max_bytes >= n * size.
+                    unsafe {
+                        result::memcpy_dtod_async(
+                            rank.bufs.staging.ptr(),
+                            ins[r].0 + (off * size) as u64,
+                            n * size,
+                            streams[r].cu_stream(),
+                        )
+                    }
+                    .during("cuMemcpyDtoDAsync (staging)")?;
+                }
+                let mut args = LaunchArgs {
+                    table: rank.staged_table.ptr(),
+                    count: n as u64,
+                    timeout_ns: c.timeout_ns(),
+                    rank: r as u32,
+                    ..Default::default()
+                };
+                args.outputs[r] = outs[r].0 + (off * size) as u64;
+                // SAFETY: table, staging, scratch and signals are this group's
+                // live buffers; the output holds `count` elements.
+                unsafe { launch(&rank.kernels, &streams[r], entry, (blocks, 1), c.threads_per_block, &args)? };
+            }
+            off += n;
+            if off >= count {
+                return Ok(used);
+            }
+        }
+    }
+
+    /// Waits for every rank's stream and reports recorded kernel errors.
+    pub fn check(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        for s in streams {
+            s.synchronize().during("cuStreamSynchronize")?;
+        }
+        let sigs: Vec<&DeviceAlloc> = self.ranks.iter().map(|r| &r.bufs.signal).collect();
+        read_error_records(&sigs).inspect_err(|e| self.health.poison(e))
+    }
+
+    /// Zeroes every rank's signal after waiting for all devices.
+    pub fn reset(&self) -> Result<()> {
+        for r in &self.ranks {
+            r.kernels.context().synchronize().during("cuCtxSynchronize")?;
+        }
+        for r in &self.ranks {
+            r.bufs.signal.write(&[0u8; std::mem::size_of::<Signal>()])?;
+        }
+        self.health.clear();
+        Ok(())
+    }
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU suite and the benchmark, for a GPU machine that cannot build
+# (no network, no Rust there).
+#
+#   scripts/gpu-check.sh build   # here: builds release binaries into .carry/bin
+#   scripts/gpu-check.sh run     # on the GPU machine, from the repo root:
+#                                # runs them; logs go to $OUT (default ./gpu-logs)
+#
+# With the device tool: build here, then run `bash scripts/gpu-check.sh run`
+# there with carry [".carry"].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+case "${1:-}" in
+build)
+  bash scripts/setup.sh
+  rm -rf .carry && mkdir -p .carry/bin
+  exes() { python3 -c '
+import json, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])'; }
+  cargo test --release --no-run --message-format=json 2>/dev/null | exes | while read -r name exe; do
+    cp "$exe" ".carry/bin/test-$name"
+  done
+  cargo bench --no-run --message-format=json 2>/dev/null | exes | while read -r name exe; do
+    cp "$exe" ".carry/bin/bench-$name"
+  done
+  cargo build --release --bin p2p-allreduce
+  cp target/release/p2p-allreduce .carry/bin/
+  ls -la .carry/bin
+  ;;
+run)
+  OUT=${OUT:-gpu-logs}
+  mkdir -p "$OUT"
+  B=.carry/bin
+  [ -x "$B/test-gpu" ] || { echo "gpu-check: $B/test-gpu missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
+  status=0
+  { nvidia-smi || true; } > "$OUT/nvidia-smi.txt" 2>&1
+  set -o pipefail
+  echo "== gpu suite"; timeout "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu" 2>&1 | tee "$OUT/gpu-suite.log" || status=1
+  echo "== benchmark"; BENCH_OUT="$OUT/bench.md" timeout "${GPU_BENCH_TIMEOUT:-150}" "$B/bench-allreduce" 2>&1 | tee "$OUT/bench.log" || status=1
+  if [ -x "$B/p2p-allreduce" ]; then
+    echo "== cli"; "$B/p2p-allreduce" 2>&1 | tee "$OUT/cli.log" || status=1
+  fi
+  exit $status
+  ;;
+*)
+  echo "usage: $0 build|run" >&2; exit 2 ;;
+esac

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: installs what is missing, builds, and runs the p2p-allreduce
+# command (no arguments: `info`, plus a short `check` and `bench` on a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+cargo run --release --bin p2p-allreduce -- "$@"

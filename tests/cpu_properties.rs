@@ -1,0 +1,823 @@
+//! Property tests of the kernels' pure pieces against the CPU oracle. No GPU.
+//!
+//! The kernel model below is assembled only from the device crate's pure
+//! functions (`reduce_pack`, `reduce_scalar`, `split`, `partition`, the
+//! `Element` conversions), fed with rank data laid out byte for byte as in
+//! GPU memory, and walked with the kernels' grid-stride decomposition. One
+//! case generator ([`case`]) is swept over dtype x algorithm x world x length
+//! x launch grid; every case is checked against `p2p_allreduce::reference`,
+//! which is written independently of the device crate.
+
+use std::fmt;
+
+use p2p_allreduce::abi::{Algorithm, Dtype, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
+use p2p_allreduce::device::numeric::{
+    bf16_bits_from_f32, bf16x2_from_f32, f16_bits_from_f32, f16x2_from_f32, f16x2_to_f32,
+    f32_from_f16_bits, Bf16, Element, Pack, F16, F32,
+};
+use p2p_allreduce::device::reduce::{
+    partition, reduce_pack, reduce_pack_dyn, reduce_scalar, split,
+};
+use p2p_allreduce::reference::{self, as_slices, fmt_bits, values};
+use proptest::prelude::*;
+use proptest::sample::select;
+
+// ---------------------------------------------------------------------------
+// Cases
+
+/// One allreduce to model: what is reduced, by how many ranks, with which
+/// algorithm, and on which launch grid.
+#[derive(Clone, Debug)]
+struct Case {
+    dtype: Dtype,
+    algo: Algorithm,
+    world: usize,
+    len: usize,
+    seed: u64,
+    specials: bool,
+    grid: Grid,
+}
+
+/// The part of the launch shape that decides which thread touches which
+/// pack: `blocks` x `threads` threads per rank, grid-stride loops.
+#[derive(Clone, Copy, Debug)]
+struct Grid {
+    blocks: usize,
+    threads: usize,
+}
+
+impl fmt::Display for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} world={} len={} seed={:#x} specials={} grid={}x{}",
+            self.dtype.name(),
+            self.algo.name(),
+            self.world,
+            self.len,
+            self.seed,
+            self.specials,
+            self.grid.blocks,
+            self.grid.threads
+        )
+    }
+}
+
+impl Case {
+    fn inputs(&self) -> Vec<Vec<u32>> {
+        values::adversarial_inputs(self.dtype, self.world, self.len, self.seed, self.specials)
+    }
+}
+
+/// Lengths around every boundary the decomposition has: empty, shorter
+/// than one pack, whole packs plus or minus one element, and a spread of
+/// sizes that give partitions of unequal length.
+fn small_len() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        3 => 0usize..=40,
+        3 => (1usize..800, -1isize..=1).prop_map(|(k, d)| (k as isize * 8 + d) as usize),
+        2 => (1usize..400).prop_map(|k| 2 * k + 1),
+        2 => 0usize..20_000,
+    ]
+}
+
+/// About a million elements, odd and not a multiple of any pack width.
+fn large_len() -> impl Strategy<Value = usize> {
+    (0usize..64).prop_map(|k| (1 << 20) - 64 + 2 * k + 1)
+}
+
+fn grid() -> impl Strategy<Value = Grid> {
+    // Whole warps, as every real launch uses; the blocks range covers the
+    // signal layout's limit.
+    (
+        1usize..=MAX_BLOCKS,
+        select(vec![32usize, 64, 128, 256, 512, 1024]),
+    )
+        .prop_map(|(blocks, threads)| Grid { blocks, threads })
+}
+
+/// The one case generator every model property is swept with.
+fn case(len: impl Strategy<Value = usize>) -> impl Strategy<Value = Case> {
+    (
+        select(Dtype::ALL.to_vec()),
+        select(Algorithm::ALL.to_vec()),
+        1usize..=MAX_RANKS,
+        len,
+        any::<u64>(),
+        prop::bool::weighted(0.7),
+        grid(),
+    )
+        .prop_map(|(dtype, algo, world, len, seed, specials, grid)| Case {
+            dtype,
+            algo,
+            world,
+            len,
+            seed,
+            specials,
+            grid,
+        })
+}
+
+fn config(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases,
+        // The case's own seed reproduces it; no regression files in the tree.
+        failure_persistence: None,
+        max_shrink_iters: 200,
+        ..ProptestConfig::default()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// GPU memory images
+
+/// Rank data as the bytes a GPU buffer holds: elements little-endian, one
+/// after the other (for 16-bit types, element 2k in the low half of word k).
+fn to_bytes(dtype: Dtype, elems: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(elems.len() * dtype.size());
+    for &e in elems {
+        match dtype.size() {
+            4 => out.extend_from_slice(&e.to_le_bytes()),
+            _ => out.extend_from_slice(&(e as u16).to_le_bytes()),
+        }
+    }
+    out
+}
+
+fn from_bytes(dtype: Dtype, bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(dtype.size())
+        .map(|c| match c.len() {
+            4 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            _ => u16::from_le_bytes([c[0], c[1]]) as u32,
+        })
+        .collect()
+}
+
+/// Pack `i` as a 16-byte vector load sees it: four little-endian words.
+fn load_pack(buf: &[u8], i: u64) -> Pack {
+    let b = &buf[i as usize * PACK_BYTES..][..PACK_BYTES];
+    core::array::from_fn(|k| {
+        u32::from_le_bytes([b[4 * k], b[4 * k + 1], b[4 * k + 2], b[4 * k + 3]])
+    })
+}
+
+fn store_pack(buf: &mut [u8], i: u64, p: Pack) {
+    let b = &mut buf[i as usize * PACK_BYTES..][..PACK_BYTES];
+    for (k, w) in p.iter().enumerate() {
+        b[4 * k..4 * k + 4].copy_from_slice(&w.to_le_bytes());
+    }
+}
+
+fn load_elem<E: Element>(buf: &[u8], idx: u64) -> u32 {
+    let s = E::DTYPE.size();
+    from_bytes(E::DTYPE, &buf[idx as usize * s..][..s])[0]
+}
+
+fn store_elem<E: Element>(buf: &mut [u8], idx: u64, bits: u32) {
+    let s = E::DTYPE.size();
+    buf[idx as usize * s..][..s].copy_from_slice(&to_bytes(E::DTYPE, &[bits]));
+}
+
+// ---------------------------------------------------------------------------
+// The kernel model
+
+/// `reduce_pack` with the world size as a constant, as the kernels call it,
+/// cross-checked against the run-time-world variant.
+fn reduce_packs<E: Element>(packs: &[Pack]) -> Pack {
+    fn fixed<E: Element, const N: usize>(packs: &[Pack]) -> Pack {
+        reduce_pack::<E, N>(packs.try_into().expect("world size"))
+    }
+    let p = match packs.len() {
+        1 => fixed::<E, 1>(packs),
+        2 => fixed::<E, 2>(packs),
+        3 => fixed::<E, 3>(packs),
+        4 => fixed::<E, 4>(packs),
+        5 => fixed::<E, 5>(packs),
+        6 => fixed::<E, 6>(packs),
+        7 => fixed::<E, 7>(packs),
+        8 => fixed::<E, 8>(packs),
+        n => panic!("world {n} is outside 1..=8"),
+    };
+    let d = reduce_pack_dyn::<E>(packs);
+    assert_eq!(p, d, "reduce_pack and reduce_pack_dyn differ on {packs:x?}");
+    p
+}
+
+/// Order in which a partition owner adds its peers' packs. The kernels must
+/// use `RankOrder`; `Rotated` is the two-stage order of other custom
+/// allreduce implementations, kept to prove the checks catch it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum AddOrder {
+    RankOrder,
+    Rotated,
+}
+
+/// Runs one allreduce on memory images of the ranks' inputs and returns
+/// every rank's output image.
+fn model<E: Element>(
+    algo: Algorithm,
+    grid: Grid,
+    inputs: &[Vec<u8>],
+    order: AddOrder,
+) -> Vec<Vec<u8>> {
+    let n = inputs.len();
+    let lanes = E::LANES as u64;
+    let bytes = inputs[0].len();
+    let count = (bytes / E::DTYPE.size()) as u64;
+    let s = split(count, lanes);
+    assert_eq!(
+        s.packs * lanes + s.tail,
+        count,
+        "split({count}, {lanes}) = {s:?}"
+    );
+    assert!(s.tail < lanes, "split({count}, {lanes}) = {s:?}");
+    let stride = (grid.blocks * grid.threads) as u64;
+    let reduce_at = |i: u64, owner: usize| -> Pack {
+        let mut v: Vec<Pack> = inputs.iter().map(|x| load_pack(x, i)).collect();
+        if order == AddOrder::Rotated {
+            v.rotate_left(owner);
+        }
+        reduce_packs::<E>(&v)
+    };
+    // The scalar tail: thread g < tail of the grid reduces element g of it.
+    let tail = |out: &mut [u8]| {
+        for g in 0..stride.min(s.tail) {
+            let idx = s.packs * lanes + g;
+            let v = reduce_scalar::<E>(inputs.iter().map(|x| load_elem::<E>(x, idx)));
+            store_elem::<E>(out, idx, v);
+        }
+    };
+    // Every output byte starts as garbage that no valid result has, so a
+    // pack nobody wrote shows up as a mismatch.
+    let fresh = || vec![0xa5u8; bytes];
+    let mut outputs = Vec::with_capacity(n);
+    match algo {
+        Algorithm::OneStage => {
+            // Every rank runs the same arithmetic on the same inputs, the
+            // rank enters nowhere: compute rank 0's output once.
+            let mut out = fresh();
+            for g in 0..stride {
+                let mut i = g;
+                while i < s.packs {
+                    store_pack(&mut out, i, reduce_at(i, 0));
+                    i += stride;
+                }
+            }
+            tail(&mut out);
+            outputs = vec![out; n];
+        }
+        Algorithm::TwoStage => {
+            // Stage 1: every rank reduces its own partition into scratch
+            // and its output, remembering which block wrote each pack.
+            let mut scratch = vec![fresh(); n];
+            let mut writer = vec![vec![usize::MAX; s.packs as usize]; n];
+            for rank in 0..n {
+                let mut out = fresh();
+                let (start, end) = partition(s.packs, n as u32, rank as u32);
+                for g in 0..stride {
+                    let mut i = start + g;
+                    while i < end {
+                        let v = reduce_at(i, rank);
+                        store_pack(&mut scratch[rank], i, v);
+                        store_pack(&mut out, i, v);
+                        assert_eq!(
+                            writer[rank][i as usize],
+                            usize::MAX,
+                            "pack {i} written twice"
+                        );
+                        writer[rank][i as usize] = g as usize / grid.threads;
+                        i += stride;
+                    }
+                }
+                tail(&mut out);
+                outputs.push(out);
+            }
+            // Stage 2: every rank copies the other partitions from their
+            // owners' scratch. The mid barrier is per block, so the block
+            // reading a pack must be the block that wrote it.
+            for (rank, out) in outputs.iter_mut().enumerate() {
+                for k in 1..n {
+                    let p = (rank + k) % n;
+                    let (start, end) = partition(s.packs, n as u32, p as u32);
+                    for g in 0..stride {
+                        let mut i = start + g;
+                        while i < end {
+                            let block = g as usize / grid.threads;
+                            assert_eq!(
+                                writer[p][i as usize], block,
+                                "rank {rank} block {block} reads pack {i} of rank {p}'s scratch, \
+                                 written by block {}: the per-block mid barrier would not order it",
+                                writer[p][i as usize]
+                            );
+                            store_pack(out, i, load_pack(&scratch[p], i));
+                            i += stride;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    outputs
+}
+
+/// [`model`] on element bits, dispatched on the dtype; every rank's result.
+fn run_model(case: &Case, inputs: &[Vec<u32>], algo: Algorithm, order: AddOrder) -> Vec<Vec<u32>> {
+    let images: Vec<Vec<u8>> = inputs.iter().map(|x| to_bytes(case.dtype, x)).collect();
+    let outs = match case.dtype {
+        Dtype::F32 => model::<F32>(algo, case.grid, &images, order),
+        Dtype::F16 => model::<F16>(algo, case.grid, &images, order),
+        Dtype::Bf16 => model::<Bf16>(algo, case.grid, &images, order),
+    };
+    outs.iter().map(|o| from_bytes(case.dtype, o)).collect()
+}
+
+/// Checks `got` against the oracle; the failure names the case, the
+/// element, both values, every rank's input and the f64 sum.
+fn check_oracle(
+    case: &Case,
+    what: &str,
+    inputs: &[Vec<u32>],
+    got: &[u32],
+) -> Result<(), TestCaseError> {
+    let want = reference::allreduce_bits(case.dtype, &as_slices(inputs));
+    prop_assert_eq!(got.len(), want.len(), "{}: {}: result length", case, what);
+    if let Some((i, g, w)) = reference::first_mismatch(case.dtype, got, &want) {
+        let column: Vec<String> = inputs.iter().map(|x| fmt_bits(case.dtype, x[i])).collect();
+        return Err(TestCaseError::fail(format!(
+            "{case}: {what}: element {i}: got {}, want {}; inputs by rank {column:?}, f64 sum {:e}",
+            fmt_bits(case.dtype, g),
+            fmt_bits(case.dtype, w),
+            reference::element_sum_f64(case.dtype, &as_slices(inputs), i),
+        )));
+    }
+    Ok(())
+}
+
+/// Every rank must hold the same bits (exactly: same code, same inputs).
+fn check_ranks_identical(case: &Case, outs: &[Vec<u32>]) -> Result<(), TestCaseError> {
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        if let Some(i) = (0..o.len()).find(|&i| o[i] != outs[0][i]) {
+            return Err(TestCaseError::fail(format!(
+                "{case}: rank {r} element {i} is {} but rank 0 has {}",
+                fmt_bits(case.dtype, o[i]),
+                fmt_bits(case.dtype, outs[0][i])
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_model(case: &Case) -> Result<(), TestCaseError> {
+    let inputs = case.inputs();
+    let outs = run_model(case, &inputs, case.algo, AddOrder::RankOrder);
+    check_ranks_identical(case, &outs)?;
+    check_oracle(case, "rank 0", &inputs, &outs[0])
+}
+
+fn check_algorithms_agree(case: &Case) -> Result<(), TestCaseError> {
+    let inputs = case.inputs();
+    let one = run_model(case, &inputs, Algorithm::OneStage, AddOrder::RankOrder);
+    let two = run_model(case, &inputs, Algorithm::TwoStage, AddOrder::RankOrder);
+    for (r, (a, b)) in one.iter().zip(&two).enumerate() {
+        if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+            return Err(TestCaseError::fail(format!(
+                "{case}: rank {r} element {i}: one-stage {} but two-stage {}",
+                fmt_bits(case.dtype, a[i]),
+                fmt_bits(case.dtype, b[i])
+            )));
+        }
+    }
+    check_oracle(case, "one-stage", &inputs, &one[0])
+}
+
+// ---------------------------------------------------------------------------
+// Model properties
+
+proptest! {
+    #![proptest_config(config(320))]
+
+    /// Both algorithms, every world size and length: the model equals the
+    /// oracle bit for bit on every rank.
+    #[test]
+    fn kernel_model_matches_oracle(case in case(small_len())) {
+        check_model(&case)?;
+    }
+
+    /// One-stage and two-stage give identical bits (the case's own algorithm
+    /// is not used: both are run).
+    #[test]
+    fn one_stage_equals_two_stage(case in case(small_len())) {
+        check_algorithms_agree(&case)?;
+    }
+
+    /// Element i's result is the same whatever the message length, and
+    /// whichever algorithm each length would be dispatched to.
+    #[test]
+    fn result_does_not_depend_on_length(
+        case in case(small_len()),
+        cut in 0.0f64..=1.0,
+        prefix_algo in select(Algorithm::ALL.to_vec()),
+    ) {
+        let inputs = case.inputs();
+        let prefix_len = (case.len as f64 * cut) as usize;
+        let prefix: Vec<Vec<u32>> = inputs.iter().map(|x| x[..prefix_len].to_vec()).collect();
+        let full = run_model(&case, &inputs, case.algo, AddOrder::RankOrder);
+        let short = run_model(&case, &prefix, prefix_algo, AddOrder::RankOrder);
+        for i in 0..prefix_len {
+            prop_assert_eq!(
+                short[0][i], full[0][i],
+                "{}: element {} is {} at length {} ({}) but {} at length {}",
+                case, i, fmt_bits(case.dtype, short[0][i]), prefix_len, prefix_algo.name(),
+                fmt_bits(case.dtype, full[0][i]), case.len
+            );
+        }
+    }
+}
+
+proptest! {
+    // Each case is ~1M elements on up to 8 ranks: a few are enough to cover
+    // long grid-stride loops and large partitions.
+    #![proptest_config(config(3))]
+
+    #[test]
+    fn kernel_model_matches_oracle_large(case in case(large_len())) {
+        check_algorithms_agree(&case)?;
+    }
+}
+
+/// The checks above can fail: the rank-rotated two-stage order of other
+/// implementations is caught on every dtype, and so is a pack left unwritten.
+#[test]
+fn rotated_two_stage_order_is_detected() {
+    for dtype in Dtype::ALL {
+        let case = Case {
+            dtype,
+            algo: Algorithm::TwoStage,
+            world: 4,
+            len: 4096 + 3,
+            seed: 1,
+            specials: false,
+            grid: Grid {
+                blocks: 2,
+                threads: 64,
+            },
+        };
+        let inputs = case.inputs();
+        let outs = run_model(&case, &inputs, case.algo, AddOrder::Rotated);
+        let verdict = check_oracle(&case, "rotated", &inputs, &outs[0]);
+        assert!(verdict.is_err(), "{case}: rotated order went unnoticed");
+        let good = run_model(&case, &inputs, case.algo, AddOrder::RankOrder);
+        assert!(
+            check_oracle(&case, "rank order", &inputs, &good[0]).is_ok(),
+            "{case}"
+        );
+        let mut broken = good[0].clone();
+        let last = broken.len() - 1;
+        broken[last] = if reference::is_nan(dtype, good[0][last]) {
+            0
+        } else {
+            good[0][last] ^ 1
+        };
+        assert!(
+            check_oracle(&case, "corrupted", &inputs, &broken).is_err(),
+            "{case}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Work decomposition
+
+/// The partition invariants for one (packs, world).
+fn check_partition(packs: u64, world: u32) -> Result<(), String> {
+    let mut expected_start = 0;
+    let (lo, hi) = (packs / world as u64, packs.div_ceil(world as u64));
+    for p in 0..world {
+        let (s, e) = partition(packs, world, p);
+        let ctx = || format!("partition({packs}, {world}, {p}) = ({s}, {e})");
+        if s != expected_start {
+            return Err(format!(
+                "{}: does not start where part {} ended ({expected_start})",
+                ctx(),
+                p as i64 - 1
+            ));
+        }
+        if e < s || e - s < lo || e - s > hi {
+            return Err(format!(
+                "{}: length {} outside [{lo}, {hi}]",
+                ctx(),
+                e.wrapping_sub(s)
+            ));
+        }
+        expected_start = e;
+    }
+    if expected_start != packs {
+        return Err(format!(
+            "partitions of {packs} packs for world {world} end at {expected_start}"
+        ));
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config(4000))]
+
+    #[test]
+    fn partitions_tile_the_packs(packs in 0u64..=10_000_000, world in 1u32..=MAX_RANKS as u32) {
+        check_partition(packs, world).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
+    fn split_is_packs_plus_short_tail(count in any::<u64>(), lanes in select(vec![4u64, 8])) {
+        let s = split(count, lanes);
+        prop_assert!(s.tail < lanes, "split({}, {}) = {:?}", count, lanes, s);
+        prop_assert_eq!(s.packs as u128 * lanes as u128 + s.tail as u128, count as u128,
+            "split({}, {}) = {:?}", count, lanes, s);
+    }
+}
+
+/// Exhaustive for small sizes, with an explicit coverage count per pack.
+#[test]
+fn partitions_cover_every_pack_once_exhaustive() {
+    for world in 1..=MAX_RANKS as u32 {
+        for packs in 0..=600u64 {
+            check_partition(packs, world).unwrap();
+            let mut seen = vec![0u8; packs as usize];
+            for p in 0..world {
+                let (s, e) = partition(packs, world, p);
+                for i in s..e {
+                    seen[i as usize] += 1;
+                }
+            }
+            let bad = seen.iter().position(|&c| c != 1);
+            assert_eq!(
+                bad, None,
+                "world {world} packs {packs}: pack covered {seen:?}"
+            );
+        }
+    }
+    // Sizes near the top of the range the property test samples.
+    for world in 1..=MAX_RANKS as u32 {
+        for packs in [9_999_993, 9_999_999, 10_000_000, u32::MAX as u64 + 7] {
+            check_partition(packs, world).unwrap();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Host conversions against the `half` crate
+
+fn all_16_bit_patterns() -> impl Iterator<Item = u16> {
+    0..=u16::MAX
+}
+
+#[test]
+fn f16_widening_matches_half_for_all_bit_patterns() {
+    for h in all_16_bit_patterns() {
+        let want = half::f16::from_bits(h).to_f32();
+        for (what, got) in [
+            ("f32_from_f16_bits", f32_from_f16_bits(h)),
+            ("F16::to_f32", F16::to_f32(h as u32)),
+            ("f16x2_to_f32 low", f16x2_to_f32(h as u32).0),
+            (
+                "f16x2_to_f32 high",
+                f16x2_to_f32((h as u32) << 16 | 0x3c00).1,
+            ),
+        ] {
+            if want.is_nan() {
+                assert!(got.is_nan(), "{what}({h:#06x}) = {got:e}, want NaN");
+            } else {
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{what}({h:#06x}) = {got:e}, want {want:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_widening_matches_half_for_all_bit_patterns() {
+    for h in all_16_bit_patterns() {
+        let want = half::bf16::from_bits(h).to_f32();
+        let got = Bf16::to_f32(h as u32);
+        if want.is_nan() {
+            assert!(got.is_nan(), "Bf16::to_f32({h:#06x}) = {got:e}, want NaN");
+        } else {
+            assert_eq!(got.to_bits(), want.to_bits(), "Bf16::to_f32({h:#06x})");
+        }
+    }
+}
+
+/// Lane order inside a pack: element 2k in the low half of word k, for
+/// widening and rounding alike.
+#[test]
+fn pack_lanes_are_in_memory_order() {
+    for base in (0..=u16::MAX as u32).step_by(8) {
+        let elems: Vec<u32> = (base..base + 8).collect();
+        for dtype in [Dtype::F16, Dtype::Bf16] {
+            let p = load_pack(&to_bytes(dtype, &elems), 0);
+            let (lanes, one): ([f32; 8], fn(u32) -> f32) = match dtype {
+                Dtype::F16 => (F16::unpack(p), F16::to_f32),
+                _ => (Bf16::unpack(p), Bf16::to_f32),
+            };
+            for l in 0..8 {
+                let want = one(elems[l]);
+                assert!(
+                    lanes[l].to_bits() == want.to_bits() || (lanes[l].is_nan() && want.is_nan()),
+                    "{} unpack lane {l} of {elems:x?}: {:e}, want {want:e}",
+                    dtype.name(),
+                    lanes[l]
+                );
+            }
+            // Round trip through pack: exact for every non-NaN element.
+            let back = match dtype {
+                Dtype::F16 => F16::pack(&lanes),
+                _ => Bf16::pack(&lanes),
+            };
+            let mut img = vec![0u8; 16];
+            store_pack(&mut img, 0, back);
+            let got = from_bytes(dtype, &img);
+            for l in 0..8 {
+                assert!(
+                    reference::same_value(dtype, got[l], elems[l]),
+                    "{} pack(unpack) lane {l}: {:#06x}, want {:#06x}",
+                    dtype.name(),
+                    got[l],
+                    elems[l]
+                );
+            }
+        }
+    }
+    let f = [1.0f32, -2.0, 3.5, -0.0, 9.0, 9.0, 9.0, 9.0];
+    let p = F32::pack(&f);
+    assert_eq!(
+        p,
+        [
+            f[0].to_bits(),
+            f[1].to_bits(),
+            f[2].to_bits(),
+            f[3].to_bits()
+        ]
+    );
+    assert_eq!(F32::unpack(p)[..4], f[..4]);
+}
+
+/// Compares the device crate's f32 -> f16/bf16 rounding with `half` for one
+/// input. NaN only needs to stay NaN.
+fn check_narrowing(x: f32) -> Result<(), String> {
+    let checks: [(&str, u32, u32, bool); 6] = [
+        (
+            "f16_bits_from_f32",
+            f16_bits_from_f32(x) as u32,
+            half::f16::from_f32(x).to_bits() as u32,
+            true,
+        ),
+        (
+            "F16::from_f32",
+            F16::from_f32(x),
+            half::f16::from_f32(x).to_bits() as u32,
+            true,
+        ),
+        (
+            "f16x2_from_f32 high",
+            f16x2_from_f32(1.0, x) >> 16,
+            half::f16::from_f32(x).to_bits() as u32,
+            true,
+        ),
+        (
+            "bf16_bits_from_f32",
+            bf16_bits_from_f32(x) as u32,
+            half::bf16::from_f32(x).to_bits() as u32,
+            false,
+        ),
+        (
+            "Bf16::from_f32",
+            Bf16::from_f32(x),
+            half::bf16::from_f32(x).to_bits() as u32,
+            false,
+        ),
+        (
+            "bf16x2_from_f32 low",
+            bf16x2_from_f32(x, 1.0) & 0xffff,
+            half::bf16::from_f32(x).to_bits() as u32,
+            false,
+        ),
+    ];
+    for (what, got, want, is_f16) in checks {
+        let dtype = if is_f16 { Dtype::F16 } else { Dtype::Bf16 };
+        let ok = if x.is_nan() {
+            reference::is_nan(dtype, got)
+        } else {
+            got == want
+        };
+        if !ok {
+            return Err(format!(
+                "{what}({:e} = {:#010x}) = {}, want {}",
+                x,
+                x.to_bits(),
+                fmt_bits(dtype, got),
+                fmt_bits(dtype, want)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every tie between two neighbouring values of each type, the f32 values
+/// on either side of it, and the values themselves: all of round to
+/// nearest even, at every binade, subnormals and the overflow edge included.
+#[test]
+fn narrowing_matches_half_at_every_tie() {
+    for dtype in [Dtype::F16, Dtype::Bf16] {
+        let widen = |h: u16| reference::widen(dtype, h as u32);
+        let inf = widen(if dtype == Dtype::F16 { 0x7c00 } else { 0x7f80 });
+        let mut checked = 0;
+        for h in 0..=0x7fffu16 {
+            let a = widen(h);
+            if !a.is_finite() {
+                continue;
+            }
+            // The next value up; past the largest finite one, the tie with
+            // infinity sits where the next binade would begin.
+            let b = widen(h + 1);
+            let b = if b == inf { a + (a - widen(h - 1)) } else { b };
+            let mid = ((a as f64 + b as f64) / 2.0) as f32;
+            assert_eq!(
+                mid as f64,
+                (a as f64 + b as f64) / 2.0,
+                "midpoint of {h:#06x} not exact in f32"
+            );
+            // Positive, so the bit neighbours are the value neighbours.
+            let (below, above) = (
+                f32::from_bits(mid.to_bits() - 1),
+                f32::from_bits(mid.to_bits() + 1),
+            );
+            for x in [a, mid, below, above] {
+                for v in [x, -x] {
+                    check_narrowing(v).unwrap();
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 200_000, "{checked}");
+    }
+}
+
+#[test]
+fn narrowing_matches_half_on_edges_and_a_sweep_of_all_f32() {
+    let edges = [
+        0.0f32,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0xffbf_ffff),
+        f32::MAX,
+        f32::MIN,
+        f32::MIN_POSITIVE,
+        f32::from_bits(1),
+        f32::from_bits(0x8000_0001),
+        f32::from_bits(0x007f_ffff),
+        65504.0,
+        65519.996,
+        65520.0,
+        65536.0,
+        2f32.powi(-24),
+        2f32.powi(-25),
+        f32::from_bits(2f32.powi(-25).to_bits() + 1),
+        2f32.powi(-14),
+        f32::from_bits(2f32.powi(-14).to_bits() - 1),
+        3.389_531_4e38, // bf16::MAX
+        3.395_313e38,   // bf16::MAX + half an ulp: the tie with infinity
+    ];
+    for x in edges {
+        check_narrowing(x).unwrap();
+    }
+    // A stride coprime with 2^32 through every f32 bit pattern: ~1M values,
+    // every exponent, many mantissas.
+    let mut bits = 0u32;
+    for _ in 0..(1u32 << 20) {
+        check_narrowing(f32::from_bits(bits)).unwrap();
+        bits = bits.wrapping_add(4099);
+    }
+}
+
+proptest! {
+    #![proptest_config(config(20_000))]
+
+    #[test]
+    fn narrowing_matches_half_for_random_f32(bits in any::<u32>()) {
+        check_narrowing(f32::from_bits(bits)).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
+    fn narrowing_matches_half_for_adversarial_f32(seed in any::<u64>()) {
+        let mut s = seed;
+        check_narrowing(values::adversarial_f32(&mut s)).map_err(TestCaseError::fail)?;
+    }
+}

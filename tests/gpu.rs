@@ -1,0 +1,505 @@
+//! The GPU suite: every kernel against the CPU reference, bit for bit.
+//!
+//! A `harness = false` test so that, on a machine without a CUDA driver
+//! (CI), every case is reported as SKIPPED with the reason, and the summary
+//! line says so, instead of counting as passed. On a GPU machine every case
+//! runs; any failure exits non-zero. `GPU_PROPERTY_CASES` sets the number of
+//! random property cases (default 1200).
+
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use p2p_allreduce::abi::{Algorithm, BarrierKind, Dtype};
+use p2p_allreduce::reference::{self, values};
+use p2p_allreduce::{driver, AlgoChoice, Config, DeviceElement, Error, PeerGroup, VirtualGroup};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+type Case = (&'static str, fn(&Gpu));
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+fn main() {
+    let cases: &[Case] = &[
+        ("smoke_sm_ptx_loads_and_runs", smoke),
+        ("sweep_dtypes_worlds_lengths_algorithms", sweep),
+        ("property_random_cases", property),
+        ("one_stage_equals_two_stage_and_length_independent", cross_algorithm),
+        ("graph_replay_1000", graph_replay),
+        ("chunked_large_message", chunked),
+        ("peer_timeout_is_reported", timeout),
+        ("user_errors_are_typed", user_errors),
+        ("peer_group_real_rank_entries", peer_group),
+    ];
+    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let selected: Vec<&Case> = cases.iter().filter(|(n, _)| filter.is_empty() || filter.iter().any(|f| n.contains(f.as_str()))).collect();
+
+    let gpu = match open_gpu() {
+        Ok(g) => g,
+        Err(reason) => {
+            for (name, _) in &selected {
+                println!("test {name} ... SKIPPED ({reason})");
+            }
+            println!("\ngpu suite: 0 passed, 0 failed, {} skipped: {reason}", selected.len());
+            return;
+        }
+    };
+    let (mut passed, mut failed) = (0, 0);
+    for (name, f) in &selected {
+        let t0 = Instant::now();
+        let r = catch_unwind(AssertUnwindSafe(|| f(&gpu)));
+        match r {
+            Ok(()) => {
+                passed += 1;
+                println!("test {name} ... ok ({:.2} s)", t0.elapsed().as_secs_f64());
+            }
+            Err(e) => {
+                failed += 1;
+                let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+                println!("test {name} ... FAILED: {}", msg.unwrap_or_default());
+            }
+        }
+    }
+    println!("\ngpu suite: {passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn open_gpu() -> Result<Gpu, String> {
+    if !driver::driver_present() {
+        return Err("no CUDA driver (libcuda not found); run scripts/gpu-check.sh on a GPU machine".into());
+    }
+    let n = driver::device_count().map_err(|e| e.to_string())?;
+    if n == 0 {
+        return Err("CUDA driver present but no GPU visible".into());
+    }
+    let ctx = driver::open_device(0).map_err(|e| e.to_string())?;
+    // The suite captures CUDA graphs; cudarc's per-slice event tracking is
+    // not needed with one stream per test.
+    // SAFETY: no other stream uses these slices concurrently in this suite.
+    unsafe { ctx.disable_event_tracking() };
+    // Graph capture needs a stream other than the legacy default stream.
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    Ok(Gpu { ctx, stream })
+}
+
+// ---------------------------------------------------------------------------
+// Typed helpers: element bits <-> T.
+
+trait Bits: DeviceElement {
+    fn from_bits32(b: u32) -> Self;
+    fn to_bits32(self) -> u32;
+}
+impl Bits for f32 {
+    fn from_bits32(b: u32) -> Self {
+        f32::from_bits(b)
+    }
+    fn to_bits32(self) -> u32 {
+        self.to_bits()
+    }
+}
+impl Bits for half::f16 {
+    fn from_bits32(b: u32) -> Self {
+        half::f16::from_bits(b as u16)
+    }
+    fn to_bits32(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+impl Bits for half::bf16 {
+    fn from_bits32(b: u32) -> Self {
+        half::bf16::from_bits(b as u16)
+    }
+    fn to_bits32(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+
+/// A byte pattern that is a NaN-free, non-zero value in every dtype, so a
+/// kernel that writes nothing is caught.
+fn poison<T: Bits>() -> T {
+    match T::DTYPE {
+        Dtype::F32 => T::from_bits32(0xC2F1_5A5A),
+        _ => T::from_bits32(0xD15A),
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Spec {
+    dtype: Dtype,
+    world: usize,
+    len: usize,
+    algo: Algorithm,
+    registered: bool,
+    graph: bool,
+    seed: u64,
+}
+
+/// Runs one allreduce as described and checks every rank against the reference.
+fn run_case(g: &Gpu, group: &VirtualGroup, s: Spec) {
+    match s.dtype {
+        Dtype::F32 => run_typed::<f32>(g, group, s),
+        Dtype::F16 => run_typed::<half::f16>(g, group, s),
+        Dtype::Bf16 => run_typed::<half::bf16>(g, group, s),
+    }
+}
+
+fn upload<T: Bits>(g: &Gpu, bits: &[u32]) -> CudaSlice<T> {
+    let host: Vec<T> = bits.iter().map(|&b| T::from_bits32(b)).collect();
+    if host.is_empty() {
+        // cudarc cannot allocate zero elements; zero-length cases use the raw API.
+        return g.stream.clone_htod(&[poison::<T>()]).expect("upload");
+    }
+    g.stream.clone_htod(&host).expect("upload")
+}
+
+fn poisoned<T: Bits>(g: &Gpu, len: usize) -> CudaSlice<T> {
+    g.stream.clone_htod(&vec![poison::<T>(); len.max(1)]).expect("alloc output")
+}
+
+fn download<T: Bits>(g: &Gpu, s: &CudaSlice<T>, len: usize) -> Vec<u32> {
+    let v = g.stream.clone_dtoh(s).expect("download");
+    v[..len].iter().map(|x| x.to_bits32()).collect()
+}
+
+fn run_typed<T: Bits>(g: &Gpu, group: &VirtualGroup, s: Spec) {
+    let inputs = values::adversarial_inputs(s.dtype, s.world, s.len, s.seed, true);
+    let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let want = reference::allreduce_bits(s.dtype, &refs);
+    let mut outputs: Vec<CudaSlice<T>> = (0..s.world).map(|_| poisoned::<T>(g, s.len)).collect();
+
+    let used;
+    // Captured graphs stay alive until the work they launched has been checked.
+    let mut graphs = Vec::new();
+    if s.registered {
+        let reg = group.alloc_registered::<T>(s.len.max(1)).expect("alloc_registered");
+        for (r, bits) in inputs.iter().enumerate() {
+            if !bits.is_empty() {
+                reg.copy_from(r, &g.stream, &upload::<T>(g, bits)).expect("copy into registered");
+            }
+        }
+        used = if s.graph {
+            let graph = capture(g, || group.allreduce_registered(&g.stream, &reg, s.len, &mut outputs, s.algo.into()));
+            graph.launch().expect("graph launch");
+            graphs.push(graph);
+            s.algo
+        } else {
+            group.allreduce_registered(&g.stream, &reg, s.len, &mut outputs, s.algo.into()).expect("allreduce_registered")
+        };
+        group.check(&g.stream).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        drop(reg);
+    } else {
+        let ins: Vec<CudaSlice<T>> = inputs.iter().map(|b| upload::<T>(g, b)).collect();
+        let in_refs: Vec<&CudaSlice<T>> = ins.iter().collect();
+        if s.len == 0 {
+            // Zero-length slices are not allocatable in cudarc; use the raw API.
+            let outs: Vec<u64> = outputs.iter_mut().map(|o| o.device_ptr_mut(&g.stream).0).collect();
+            let inp: Vec<u64> = ins.iter().map(|i| i.device_ptr(&g.stream).0).collect();
+            // SAFETY: zero elements are read or written.
+            used = unsafe { group.allreduce_raw(&g.stream, s.dtype, 0, &inp, &outs, s.algo.into()) }.expect("allreduce_raw");
+        } else if s.graph {
+            let graph = capture(g, || group.allreduce(&g.stream, &in_refs, &mut outputs, s.algo.into()));
+            graph.launch().expect("graph launch");
+            graphs.push(graph);
+            used = s.algo;
+        } else {
+            used = group.allreduce(&g.stream, &in_refs, &mut outputs, s.algo.into()).expect("allreduce");
+        }
+        group.check(&g.stream).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+    }
+    assert_eq!(used, s.algo, "{s:?}: explicit algorithm not honoured");
+    for (r, o) in outputs.iter().enumerate() {
+        let got = download::<T>(g, o, s.len);
+        if let Some((i, got_b, want_b)) = reference::first_mismatch(s.dtype, &got, &want) {
+            let ins: Vec<String> = inputs.iter().map(|v| format!("{:#x}", v[i])).collect();
+            panic!("{s:?}: rank {r} element {i}: got {got_b:#x}, want {want_b:#x}; inputs {ins:?}");
+        }
+    }
+}
+
+fn capture(g: &Gpu, f: impl FnOnce() -> p2p_allreduce::Result<Algorithm>) -> cudarc::driver::CudaGraph {
+    g.stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    let r = f();
+    let graph = g.stream.end_capture(sys::CUgraphInstantiate_flags(0)).expect("end capture");
+    r.expect("allreduce during capture");
+    graph.expect("captured graph is not empty")
+}
+
+fn group(g: &Gpu, world: usize) -> VirtualGroup {
+    VirtualGroup::new(&g.ctx, world, Config { max_bytes: 8 << 20, ..Config::default() }).expect("VirtualGroup::new")
+}
+
+// ---------------------------------------------------------------------------
+// Cases.
+
+fn smoke(g: &Gpu) {
+    let info = driver::device_info(&g.ctx).expect("device info");
+    let m = driver::module_for_device(&g.ctx).expect("module");
+    println!("  device: {} (cc {}.{}), {} SMs; PTX used: {}", info.name, info.compute_capability.0, info.compute_capability.1, info.multiprocessors, m.arch);
+    let grp = group(g, 2);
+    let a: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 + 1.0).collect();
+    let b: Vec<f32> = (0..1000).map(|i| -(i as f32) * 0.25 + 3.0).collect();
+    let ia = g.stream.clone_htod(&a).expect("htod");
+    let ib = g.stream.clone_htod(&b).expect("htod");
+    let mut outs = vec![poisoned::<f32>(g, 1000), poisoned::<f32>(g, 1000)];
+    grp.allreduce(&g.stream, &[&ia, &ib], &mut outs, AlgoChoice::OneStage).expect("allreduce");
+    grp.check(&g.stream).expect("check");
+    for o in &outs {
+        let h = g.stream.clone_dtoh(o).expect("dtoh");
+        for i in 0..1000 {
+            assert_eq!(h[i].to_bits(), (a[i] + b[i]).to_bits(), "element {i}");
+        }
+    }
+    println!("  smoke: 2 virtual ranks x 1000 f32 summed correctly; out[3] = {}", g.stream.clone_dtoh(&outs[0]).expect("dtoh")[3]);
+}
+
+/// Lengths around every boundary: empty, sub-pack, pack multiples +-1, one
+/// block's worth, many blocks.
+const LENGTHS: &[usize] = &[0, 1, 3, 4, 7, 8, 9, 15, 17, 100, 511, 4096, 4099, 65_537, 262_147];
+
+fn sweep(g: &Gpu) {
+    let mut n = 0;
+    for world in 1..=8 {
+        let grp = group(g, world);
+        for dtype in Dtype::ALL {
+            for algo in Algorithm::ALL {
+                for (k, &len) in LENGTHS.iter().enumerate() {
+                    let seed = (world * 1000 + k) as u64;
+                    run_case(g, &grp, Spec { dtype, world, len, algo, registered: k % 2 == 1, graph: false, seed });
+                    n += 1;
+                }
+            }
+        }
+    }
+    println!("  {n} sweep cases bit-exact");
+}
+
+/// A tiny deterministic generator for case parameters.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn property(g: &Gpu) {
+    let cases: usize = std::env::var("GPU_PROPERTY_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1200);
+    let groups: Vec<VirtualGroup> = (1..=8).map(|w| group(g, w)).collect();
+    let mut st = 0x5EED_u64;
+    for c in 0..cases {
+        let world = 1 + (next(&mut st) % 8) as usize;
+        let dtype = Dtype::ALL[(next(&mut st) % 3) as usize];
+        // Mostly small (the latency regime), sometimes up to ~1M elements.
+        let len = match next(&mut st) % 10 {
+            0..=5 => (next(&mut st) % 2048) as usize,
+            6..=8 => (next(&mut st) % 70_000) as usize,
+            _ => (next(&mut st) % 1_100_000) as usize,
+        };
+        let algo = Algorithm::ALL[(next(&mut st) % 2) as usize];
+        let registered = next(&mut st) % 2 == 0;
+        let graph = len > 0 && next(&mut st) % 4 == 0;
+        run_case(g, &groups[world - 1], Spec { dtype, world, len, algo, registered, graph, seed: c as u64 + 77 });
+    }
+    println!("  {cases} random property cases bit-exact (dtype x world 1..8 x len x algorithm x registered/staged x eager/graph)");
+}
+
+/// One-stage and two-stage give identical bits, and element i does not depend
+/// on the message length (a prefix of the same data gives a prefix of the result).
+fn cross_algorithm(g: &Gpu) {
+    for world in [2usize, 3, 5, 8] {
+        let grp = group(g, world);
+        for dtype in Dtype::ALL {
+            let len = 50_003;
+            let inputs = values::adversarial_inputs(dtype, world, len, 99 + world as u64, true);
+            let mut results = Vec::new();
+            for algo in Algorithm::ALL {
+                for take in [len, 4099, 13] {
+                    let sub: Vec<Vec<u32>> = inputs.iter().map(|v| v[..take].to_vec()).collect();
+                    let got = match dtype {
+                        Dtype::F32 => reduce_raw::<f32>(g, &grp, &sub, algo),
+                        Dtype::F16 => reduce_raw::<half::f16>(g, &grp, &sub, algo),
+                        Dtype::Bf16 => reduce_raw::<half::bf16>(g, &grp, &sub, algo),
+                    };
+                    results.push((algo, take, got));
+                }
+            }
+            let full = &results[0].2;
+            for (algo, take, got) in &results {
+                if let Some((i, a, b)) = reference::first_mismatch(dtype, got, &full[..*take]) {
+                    panic!("{dtype:?} world {world}: {algo:?} with length {take} differs from one-stage full length at {i}: {a:#x} vs {b:#x}");
+                }
+            }
+        }
+    }
+    println!("  one-stage == two-stage, and prefixes agree, for worlds 2,3,5,8 x all dtypes");
+}
+
+fn reduce_raw<T: Bits>(g: &Gpu, grp: &VirtualGroup, inputs: &[Vec<u32>], algo: Algorithm) -> Vec<u32> {
+    let len = inputs[0].len();
+    let ins: Vec<CudaSlice<T>> = inputs.iter().map(|b| upload::<T>(g, b)).collect();
+    let refs: Vec<&CudaSlice<T>> = ins.iter().collect();
+    let mut outs: Vec<CudaSlice<T>> = (0..inputs.len()).map(|_| poisoned::<T>(g, len)).collect();
+    grp.allreduce(&g.stream, &refs, &mut outs, algo.into()).expect("allreduce");
+    grp.check(&g.stream).expect("check");
+    let first = download::<T>(g, &outs[0], len);
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        assert_eq!(download::<T>(g, o, len), first, "rank {r} differs from rank 0");
+    }
+    first
+}
+
+/// A captured graph replayed 1000 times, with new data before each replay,
+/// gives the reference result every time (epochs advance on the device).
+fn graph_replay(g: &Gpu) {
+    let world = 4;
+    let grp = group(g, world);
+    for algo in Algorithm::ALL {
+        let len = 10_007;
+        let reg = grp.alloc_registered::<f32>(len).expect("registered");
+        let mut outs: Vec<CudaSlice<f32>> = (0..world).map(|_| poisoned::<f32>(g, len)).collect();
+        let graph = capture(g, || grp.allreduce_registered(&g.stream, &reg, len, &mut outs, algo.into()));
+        for it in 0..1000u64 {
+            let inputs = values::adversarial_inputs(Dtype::F32, world, len, 5000 + it, it % 10 == 0);
+            for (r, bits) in inputs.iter().enumerate() {
+                reg.copy_from(r, &g.stream, &upload::<f32>(g, bits)).expect("copy");
+            }
+            for o in outs.iter_mut() {
+                g.stream.memcpy_htod(&vec![poison::<f32>(); len], o).expect("poison");
+            }
+            graph.launch().expect("replay");
+            grp.check(&g.stream).unwrap_or_else(|e| panic!("{algo:?} replay {it}: {e}"));
+            let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference::allreduce_bits(Dtype::F32, &refs);
+            for (r, o) in outs.iter().enumerate() {
+                let got = download::<f32>(g, o, len);
+                if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, &got, &want) {
+                    panic!("{algo:?} replay {it} rank {r} element {i}: got {a:#x} want {b:#x}");
+                }
+            }
+        }
+    }
+    println!("  1000 graph replays x 2 algorithms bit-exact");
+}
+
+fn chunked(g: &Gpu) {
+    // 64 KiB buffers, messages of several MiB: many chunks, odd tail.
+    for world in [2usize, 3, 8] {
+        let grp = VirtualGroup::new(&g.ctx, world, Config { max_bytes: 64 << 10, ..Config::default() }).expect("group");
+        for dtype in Dtype::ALL {
+            for algo in Algorithm::ALL {
+                run_case(g, &grp, Spec { dtype, world, len: 1_000_003, algo, registered: false, graph: false, seed: 3 });
+            }
+        }
+        // Registered inputs larger than scratch fall back to one-stage.
+        let reg = grp.alloc_registered::<f32>(300_001).expect("registered");
+        let mut outs: Vec<CudaSlice<f32>> = (0..world).map(|_| poisoned::<f32>(g, 300_001)).collect();
+        let used = grp.allreduce_registered(&g.stream, &reg, 300_001, &mut outs, AlgoChoice::TwoStage).expect("registered large");
+        assert_eq!(used, Algorithm::OneStage);
+        grp.check(&g.stream).expect("check");
+    }
+    let small = VirtualGroup::new(&g.ctx, 2, Config { max_bytes: 4096, chunking: false, ..Config::default() }).expect("group");
+    let a = g.stream.clone_htod(&vec![1.0f32; 5000]).expect("htod");
+    let mut outs = vec![poisoned::<f32>(g, 5000), poisoned::<f32>(g, 5000)];
+    match small.allreduce(&g.stream, &[&a, &a], &mut outs, AlgoChoice::Auto) {
+        Err(Error::MessageTooLarge { bytes: 20000, capacity: 4096 }) => {}
+        other => panic!("expected MessageTooLarge, got {other:?}"),
+    }
+    println!("  chunked messages bit-exact; chunking off refuses with MessageTooLarge");
+}
+
+fn timeout(g: &Gpu) {
+    let world = 4;
+    let grp = VirtualGroup::new(&g.ctx, world, Config { timeout: Duration::from_millis(50), ..Config::default() }).expect("group");
+    let t0 = Instant::now();
+    grp.launch_with_absent_ranks(&g.stream, 1 << 2, 100_000).expect("launch");
+    let waited = t0.elapsed();
+    match grp.check(&g.stream) {
+        Err(Error::PeerTimeout { peer: 2, barrier: BarrierKind::Start, rank, .. }) => {
+            assert_ne!(rank, 2, "the absent rank cannot report");
+            println!("  rank {rank} reported peer 2 missing after {:.1} ms (timeout 50 ms)", waited.as_secs_f64() * 1e3);
+        }
+        other => panic!("expected PeerTimeout naming peer 2, got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(5), "timeout took {waited:?}");
+    // Poisoned until reset.
+    let a = g.stream.clone_htod(&vec![1.0f32; 64]).expect("htod");
+    let mut outs: Vec<CudaSlice<f32>> = (0..world).map(|_| poisoned::<f32>(g, 64)).collect();
+    let refs = vec![&a; world];
+    assert!(matches!(grp.allreduce(&g.stream, &refs, &mut outs, AlgoChoice::Auto), Err(Error::Poisoned(_))));
+    grp.reset().expect("reset");
+    grp.allreduce(&g.stream, &refs, &mut outs, AlgoChoice::Auto).expect("after reset");
+    grp.check(&g.stream).expect("check after reset");
+    assert_eq!(g.stream.clone_dtoh(&outs[1]).expect("dtoh"), vec![4.0f32; 64]);
+    // Timeout 0 means wait forever and must not fire on a healthy collective.
+    let forever = VirtualGroup::new(&g.ctx, 2, Config { timeout: Duration::ZERO, ..Config::default() }).expect("group");
+    run_case(g, &forever, Spec { dtype: Dtype::Bf16, world: 2, len: 999, algo: Algorithm::TwoStage, registered: false, graph: false, seed: 1 });
+}
+
+fn user_errors(g: &Gpu) {
+    assert!(matches!(VirtualGroup::new(&g.ctx, 0, Config::default()), Err(Error::WorldSize(0))));
+    assert!(matches!(VirtualGroup::new(&g.ctx, 9, Config::default()), Err(Error::WorldSize(9))));
+    assert!(matches!(VirtualGroup::new(&g.ctx, 2, Config { max_blocks: 33, ..Config::default() }), Err(Error::Config(_))));
+    assert!(matches!(VirtualGroup::new(&g.ctx, 2, Config { threads_per_block: 100, ..Config::default() }), Err(Error::Config(_))));
+    let grp = group(g, 2);
+    let a = g.stream.clone_htod(&vec![1.0f32; 100]).expect("htod");
+    let short = g.stream.clone_htod(&vec![1.0f32; 99]).expect("htod");
+    let mut outs = vec![poisoned::<f32>(g, 100), poisoned::<f32>(g, 100)];
+    assert!(matches!(grp.allreduce(&g.stream, &[&a], &mut outs, AlgoChoice::Auto), Err(Error::RankCount { what: "inputs", got: 1, world: 2 })));
+    assert!(matches!(grp.allreduce(&g.stream, &[&a, &short], &mut outs, AlgoChoice::Auto), Err(Error::RankMismatch { rank: 1, .. })));
+    let mut small = vec![poisoned::<f32>(g, 100), poisoned::<f32>(g, 50)];
+    assert!(matches!(grp.allreduce(&g.stream, &[&a, &a], &mut small, AlgoChoice::Auto), Err(Error::BufferTooSmall { what: "output", rank: 1, .. })));
+    // A misaligned output pointer (4 bytes into an allocation).
+    let base = poisoned::<f32>(g, 101);
+    let p = base.device_ptr(&g.stream).0;
+    let inp = a.device_ptr(&g.stream).0;
+    // SAFETY: the call is refused before any device work is issued.
+    let r = unsafe { grp.allreduce_raw(&g.stream, Dtype::F32, 100, &[inp, inp], &[p + 4, p], AlgoChoice::Auto) };
+    assert!(matches!(r, Err(Error::Misaligned { what: "output", rank: 0, .. })), "{r:?}");
+    let reg = grp.alloc_registered::<f32>(10).expect("registered");
+    assert!(matches!(
+        grp.allreduce_registered(&g.stream, &reg, 11, &mut outs, AlgoChoice::Auto),
+        Err(Error::BufferTooSmall { what: "registered buffer", .. })
+    ));
+    // Messages are displayed with advice; print one of each kind we provoked.
+    println!("  e.g.: {}", Error::WorldSize(9));
+}
+
+fn peer_group(g: &Gpu) {
+    // Real-rank entries: one launch per rank, each on its own stream. On one
+    // GPU the ranks share the device (link SameDevice).
+    for world in [1usize, 2, 3] {
+        let ctxs = vec![g.ctx.clone(); world];
+        let grp = PeerGroup::new(&ctxs, Config { max_bytes: 1 << 20, max_blocks: 4, ..Config::default() }).expect("PeerGroup");
+        let streams: Vec<Arc<CudaStream>> = (0..world).map(|_| g.ctx.new_stream().expect("stream")).collect();
+        for algo in Algorithm::ALL {
+            for len in [0usize, 5, 40_003, 600_001] {
+                if len == 0 {
+                    continue;
+                }
+                let inputs = values::adversarial_inputs(Dtype::Bf16, world, len, len as u64, true);
+                let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+                let want = reference::allreduce_bits(Dtype::Bf16, &refs);
+                let ins: Vec<CudaSlice<half::bf16>> = inputs.iter().map(|b| upload(g, b)).collect();
+                g.stream.synchronize().expect("sync uploads");
+                let in_refs: Vec<&CudaSlice<half::bf16>> = ins.iter().collect();
+                let mut outs: Vec<CudaSlice<half::bf16>> = (0..world).map(|_| poisoned(g, len)).collect();
+                g.stream.synchronize().expect("sync poison");
+                grp.allreduce(&streams, &in_refs, &mut outs, algo.into()).expect("peer allreduce");
+                grp.check(&streams).unwrap_or_else(|e| panic!("world {world} {algo:?} len {len}: {e}"));
+                for (r, o) in outs.iter().enumerate() {
+                    let got = download(g, o, len);
+                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::Bf16, &got, &want) {
+                        panic!("peer group world {world} {algo:?} len {len} rank {r} element {i}: {a:#x} vs {b:#x}");
+                    }
+                }
+            }
+        }
+    }
+    println!("  PeerGroup (real-rank entries, one stream per rank) worlds 1..3 bit-exact");
+}

@@ -1,0 +1,92 @@
+//! Checks on every PTX file the build embedded (issue: the Rust-to-PTX
+//! pipeline). No GPU needed; ptxas is required (scripts/setup.sh installs it).
+
+use p2p_allreduce::ptx::{self, Entry, MODULES, PARAM_BYTES};
+use p2p_allreduce::ptxas;
+use std::path::Path;
+
+#[test]
+fn every_default_arch_is_built() {
+    let built = ptx::built_archs();
+    // The default list; a user who narrows P2P_ALLREDUCE_ARCHS gets fewer.
+    if std::env::var_os("P2P_ALLREDUCE_ARCHS").is_none() {
+        assert_eq!(built, ["sm_120", "sm_90", "sm_80"]);
+    }
+    assert!(!built.is_empty());
+}
+
+#[test]
+fn target_matches_arch() {
+    for m in MODULES {
+        let target = m.ptx.lines().find(|l| l.starts_with(".target")).expect(".target line");
+        assert_eq!(target.trim(), format!(".target {}", m.arch), "{}", m.arch);
+        let (major, minor) = m.compute_capability;
+        assert_eq!(m.arch, format!("sm_{major}{minor}"));
+    }
+}
+
+#[test]
+fn every_entry_is_present_with_one_launch_args_parameter() {
+    for m in MODULES {
+        let entries = Entry::all();
+        assert_eq!(entries.len(), 96);
+        for e in entries {
+            let name = e.name();
+            let decl = format!(".entry {name}(");
+            let at = m.ptx.find(&decl).unwrap_or_else(|| panic!("{}: entry {name} missing", m.arch));
+            let head = &m.ptx[at..at + 200.min(m.ptx.len() - at)];
+            let param = format!(".param .align 8 .b8 {name}_param_0[{PARAM_BYTES}]");
+            assert!(head.contains(&param), "{}: {name} does not take one {PARAM_BYTES}-byte parameter:\n{head}", m.arch);
+        }
+        let count = m.ptx.matches(".entry ").count();
+        assert_eq!(count, 96, "{}: unexpected extra entries", m.arch);
+    }
+}
+
+#[test]
+fn no_unresolved_functions() {
+    for m in MODULES {
+        for line in m.ptx.lines() {
+            assert!(!line.contains(".extern .func"), "{}: unresolved function (a panic path or core call survived): {line}", m.arch);
+        }
+    }
+}
+
+#[test]
+fn flags_use_system_scope_acquire_release() {
+    for m in MODULES {
+        assert!(m.ptx.contains("st.release.sys."), "{}: no st.release.sys", m.arch);
+        assert!(m.ptx.contains("ld.acquire.sys."), "{}: no ld.acquire.sys", m.arch);
+        assert!(m.ptx.contains("ld.global.v4.u32") && m.ptx.contains("st.global.v4.u32"), "{}: no 16-byte accesses", m.arch);
+        assert!(!m.ptx.contains("atom.global.add") && !m.ptx.contains("atom.add"), "{}: RMW atomics would not work over PCIe", m.arch);
+    }
+}
+
+#[test]
+fn ptxas_assembles_every_arch_without_spills() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let Some(ptxas_bin) = ptxas::find_ptxas(root) else {
+        panic!("ptxas not found: run scripts/setup.sh (installs the nvidia-cuda-nvcc-cu12 wheel under .tools/), or set P2P_ALLREDUCE_PTXAS");
+    };
+    println!("using ptxas: {}", ptxas_bin.display());
+    let dir = std::env::temp_dir().join(format!("p2p-allreduce-ptx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for m in MODULES {
+        let file = dir.join(format!("{}.ptx", m.arch));
+        std::fs::write(&file, m.ptx).expect("write PTX");
+        let report = ptxas::assemble(&ptxas_bin, &file, m.arch).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(report.len(), 96, "{}: ptxas reported {} entries", m.arch, report.len());
+        let max_regs = report.iter().map(|k| k.registers).max().unwrap_or(0);
+        println!("{}: {} entries, max {} registers", m.arch, report.len(), max_regs);
+        for k in &report {
+            assert_eq!(
+                (k.spill_store_bytes, k.spill_load_bytes, k.stack_frame_bytes),
+                (0, 0, 0),
+                "{}: {} spills to local memory: {k:?}",
+                m.arch,
+                k.entry
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
