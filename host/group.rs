@@ -80,9 +80,17 @@ fn table(inputs: impl Fn(usize) -> u64, bufs: &[&RankBuffers]) -> RankTable {
     for (r, b) in bufs.iter().enumerate() {
         t.inputs[r] = inputs(r);
         t.scratch[r] = b.scratch.ptr();
-        t.signals[r] = b.signal.ptr();
     }
     t
+}
+
+/// The signal pointers every launch passes by value.
+fn signal_ptrs(bufs: &[&RankBuffers]) -> [u64; MAX_RANKS] {
+    let mut s = [0u64; MAX_RANKS];
+    for (r, b) in bufs.iter().enumerate() {
+        s[r] = b.signal.ptr();
+    }
+    s
 }
 
 /// Reads every rank's error record and turns the first one into an error.
@@ -223,6 +231,7 @@ pub struct VirtualGroup {
     config: Config,
     kernels: Arc<Kernels>,
     ranks: Vec<RankBuffers>,
+    signals: [u64; MAX_RANKS],
     staged_table: DeviceAlloc,
     health: Health,
 }
@@ -235,9 +244,10 @@ impl VirtualGroup {
         let ranks = (0..world).map(|_| RankBuffers::new(ctx, config.max_bytes)).collect::<Result<Vec<_>>>()?;
         let refs: Vec<&RankBuffers> = ranks.iter().collect();
         let t = table(|r| ranks[r].staging.ptr(), &refs);
+        let signals = signal_ptrs(&refs);
         let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
         staged_table.write(std::slice::from_ref(&t))?;
-        Ok(VirtualGroup { world, config, kernels, ranks, staged_table, health: Health::new() })
+        Ok(VirtualGroup { world, config, kernels, ranks, signals, staged_table, health: Health::new() })
     }
 
     pub fn world(&self) -> usize {
@@ -406,7 +416,14 @@ impl VirtualGroup {
         if total > capacity {
             return Err(Error::NotCoResident { blocks: total, threads: c.threads_per_block, capacity });
         }
-        let mut args = LaunchArgs { table, count: count as u64, timeout_ns: c.timeout_ns(), absent_ranks, ..Default::default() };
+        let mut args = LaunchArgs {
+            table,
+            signals: self.signals,
+            count: count as u64,
+            timeout_ns: c.timeout_ns(),
+            absent_ranks,
+            ..Default::default()
+        };
         args.outputs[..outputs.len()].copy_from_slice(outputs);
         // SAFETY: forwarded from the caller.
         unsafe { launch(&self.kernels, stream, entry, (blocks, self.world as u32), c.threads_per_block, &args) }
@@ -454,6 +471,7 @@ impl VirtualGroup {
 /// several ranks sharing a GPU (each launch on its own stream).
 pub struct PeerGroup {
     world: usize,
+    signals: [u64; MAX_RANKS],
     config: Config,
     link: Link,
     ranks: Vec<PeerRank>,
@@ -523,13 +541,14 @@ impl PeerGroup {
         }
         let refs: Vec<&RankBuffers> = ranks.iter().map(|(_, b)| b).collect();
         let t = table(|r| refs[r].staging.ptr(), &refs);
+        let signals = signal_ptrs(&refs);
         let mut out = Vec::with_capacity(world);
         for (ctx, (kernels, bufs)) in contexts.iter().zip(ranks) {
             let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
             staged_table.write(std::slice::from_ref(&t))?;
             out.push(PeerRank { kernels, bufs, staged_table });
         }
-        Ok(PeerGroup { world, config, link, ranks: out, health: Health::new() })
+        Ok(PeerGroup { world, signals, config, link, ranks: out, health: Health::new() })
     }
 
     pub fn world(&self) -> usize {
@@ -597,6 +616,7 @@ impl PeerGroup {
                 }
                 let mut args = LaunchArgs {
                     table: rank.staged_table.ptr(),
+                    signals: self.signals,
                     count: n as u64,
                     timeout_ns: c.timeout_ns(),
                     rank: r as u32,

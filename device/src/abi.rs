@@ -107,29 +107,32 @@ impl Signal {
     pub const ERROR_OFFSET: usize = Self::EPOCH_OFFSET + MAX_BLOCKS * 4;
 }
 
-/// Peer pointers as seen from one rank's address space: every rank's input
-/// (staging or registered buffer), scratch and signal. Lives in device memory;
-/// kernels get a pointer to it, so tables filled after a CUDA-graph capture
-/// are picked up on replay. With virtual ranks all ranks share one table.
+/// Buffer pointers as seen from one rank's address space: every rank's input
+/// (staging or registered buffer) and scratch. Lives in device memory;
+/// kernels get a pointer to it, so a table filled after a CUDA-graph capture
+/// (buffers whose peer mappings are exchanged later) is picked up on replay.
+/// With virtual ranks all ranks share one table.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RankTable {
     pub inputs: [u64; MAX_RANKS],
     pub scratch: [u64; MAX_RANKS],
-    pub signals: [u64; MAX_RANKS],
 }
 
 /// The one by-value kernel parameter of every allreduce entry point.
 ///
 /// `outputs[r]` is rank r's output; a real-rank launch fills only its own
 /// slot. The rank is `rank` for real-rank entries and `blockIdx.y` for the
-/// `_virtual` entries.
+/// `_virtual` entries. Signal pointers are fixed for a group's life, so they
+/// travel by value: the first flag store then needs no dependent load.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LaunchArgs {
     /// Device pointer to a [`RankTable`].
     pub table: u64,
     pub outputs: [u64; MAX_RANKS],
+    /// Every rank's [`Signal`], mapped into this rank's address space.
+    pub signals: [u64; MAX_RANKS],
     /// Elements (not bytes) in the message.
     pub count: u64,
     /// Barrier timeout in nanoseconds of `%globaltimer`; 0 waits forever.
@@ -150,12 +153,14 @@ const _: () = {
     assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0));
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
-    assert!(size_of::<RankTable>() == 192);
-    assert!(size_of::<LaunchArgs>() == 96);
+    assert!(size_of::<RankTable>() == 128);
+    assert!(size_of::<LaunchArgs>() == 160);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
-    assert!(offset_of!(LaunchArgs, count) == 72);
-    assert!(offset_of!(LaunchArgs, timeout_ns) == 80);
-    assert!(offset_of!(LaunchArgs, rank) == 88);
+    assert!(offset_of!(LaunchArgs, signals) == 72);
+    assert!(offset_of!(LaunchArgs, count) == 136);
+    assert!(offset_of!(LaunchArgs, timeout_ns) == 144);
+    assert!(offset_of!(LaunchArgs, rank) == 152);
+    assert!(offset_of!(LaunchArgs, absent_ranks) == 156);
 };
 
 /// Element types the kernels reduce.

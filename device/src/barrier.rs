@@ -22,6 +22,8 @@
 pub trait FlagWord {
     fn load_acquire(&self) -> u32;
     fn store_release(&self, value: u32);
+    fn load_relaxed(&self) -> u32;
+    fn store_relaxed(&self, value: u32);
 }
 
 impl FlagWord for core::sync::atomic::AtomicU32 {
@@ -35,6 +37,31 @@ impl FlagWord for core::sync::atomic::AtomicU32 {
         // Lowers to st.release.sys on sm_70+.
         self.store(value, core::sync::atomic::Ordering::Release)
     }
+    #[inline(always)]
+    fn load_relaxed(&self) -> u32 {
+        // ld.relaxed.sys: never served from a stale L1 line.
+        self.load(core::sync::atomic::Ordering::Relaxed)
+    }
+    #[inline(always)]
+    fn store_relaxed(&self, value: u32) {
+        self.store(value, core::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// How much a barrier must order.
+///
+/// `Publish` (release/acquire) is needed where a peer reads data written
+/// earlier in the same kernel: the two-stage partial sums before `Mid`.
+/// `ArrivalOnly` (relaxed) is enough for `Start` and `End`: inputs were
+/// written by earlier work on the owner's stream, which completed before
+/// the owner's kernel began, and every peer read that `End` protects has
+/// returned its value (it fed a store) before the reader's bar.sync and
+/// arrival. Relaxed polls are cheaper than system-scope acquires in the
+/// latency-bound small-message regime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    Publish,
+    ArrivalOnly,
 }
 
 /// Time source for bounded waits.
@@ -63,10 +90,19 @@ pub const fn next_epoch(prev: u32) -> u32 {
     }
 }
 
-/// Step 1: tell the peer we arrived.
+/// Step 1: tell the peer we arrived (release: publishes earlier writes).
 #[inline(always)]
 pub fn arrive<F: FlagWord + ?Sized>(slot_in_peer: &F, epoch: u32) {
-    slot_in_peer.store_release(epoch);
+    arrive_ordered(slot_in_peer, epoch, Order::Publish);
+}
+
+/// [`arrive`] with an explicit [`Order`].
+#[inline(always)]
+pub fn arrive_ordered<F: FlagWord + ?Sized>(slot_in_peer: &F, epoch: u32, order: Order) {
+    match order {
+        Order::Publish => slot_in_peer.store_release(epoch),
+        Order::ArrivalOnly => slot_in_peer.store_relaxed(epoch),
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +111,7 @@ pub enum Wait {
     TimedOut,
 }
 
-/// Step 2: wait for the peer's arrival. `timeout_ns == 0` waits forever.
+/// Step 2: wait for the peer's arrival (acquire). `timeout_ns == 0` waits forever.
 #[inline(always)]
 pub fn wait<F: FlagWord + ?Sized, C: Clock>(
     own_slot: &F,
@@ -83,13 +119,29 @@ pub fn wait<F: FlagWord + ?Sized, C: Clock>(
     timeout_ns: u64,
     clock: &mut C,
 ) -> Wait {
-    if own_slot.load_acquire() == epoch {
+    wait_ordered(own_slot, epoch, timeout_ns, clock, Order::Publish)
+}
+
+/// [`wait`] with an explicit [`Order`].
+#[inline(always)]
+pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
+    own_slot: &F,
+    epoch: u32,
+    timeout_ns: u64,
+    clock: &mut C,
+    order: Order,
+) -> Wait {
+    let load = |f: &F| match order {
+        Order::Publish => f.load_acquire(),
+        Order::ArrivalOnly => f.load_relaxed(),
+    };
+    if load(own_slot) == epoch {
         return Wait::Arrived;
     }
     let t0 = if timeout_ns != 0 { clock.now_ns() } else { 0 };
     let mut polls: u32 = 0;
     loop {
-        if own_slot.load_acquire() == epoch {
+        if load(own_slot) == epoch {
             return Wait::Arrived;
         }
         clock.relax();
@@ -98,7 +150,7 @@ pub fn wait<F: FlagWord + ?Sized, C: Clock>(
             let now = clock.now_ns();
             if now.wrapping_sub(t0) > timeout_ns {
                 // One last look, so an arrival racing with the deadline wins.
-                return if own_slot.load_acquire() == epoch {
+                return if load(own_slot) == epoch {
                     Wait::Arrived
                 } else {
                     Wait::TimedOut

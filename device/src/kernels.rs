@@ -9,8 +9,8 @@
 //! `blockDim.x >= N`, the same grid on every rank of a collective, and for
 //! `_virtual` entries `gridDim.y == N` with all blocks co-resident.
 
-use crate::abi::{error_code, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal, MAX_BLOCKS};
-use crate::barrier::{arrive, next_epoch, wait, Wait};
+use crate::abi::{error_code, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal, MAX_BLOCKS, MAX_RANKS};
+use crate::barrier::{arrive_ordered, next_epoch, wait_ordered, Order, Wait};
 use crate::cuda::*;
 use crate::numeric::{Bf16, Element, Pack, F16, F32};
 use crate::reduce::{partition, reduce_pack, split};
@@ -39,34 +39,62 @@ unsafe fn record_error(own_sig: u64, code: u32, rank: u32, block: u32, peer: u32
     }
 }
 
+/// The signal pointer of rank `r`, selected with constant indices only so
+/// the by-value parameter is read in place instead of being copied to
+/// local memory.
+#[inline(always)]
+fn pick<const N: usize>(ptrs: &[u64; MAX_RANKS], r: u32) -> u64 {
+    let mut o = ptrs[0];
+    let mut i = 1;
+    while i < N {
+        if r as usize == i {
+            o = ptrs[i];
+        }
+        i += 1;
+    }
+    o
+}
+
 /// A named barrier between block `block` of every rank. Thread p < N does
 /// the flag exchange with peer p; the rest of the block waits at bar.sync.
 /// Returns false (in every thread) if any peer timed out; the error record
 /// is written and the caller must leave the kernel.
+///
+/// `Start` needs no leading bar.sync (nothing was done yet) and `End` no
+/// trailing one (the kernel ends; a timeout there is recorded all the same).
 #[inline(always)]
 unsafe fn block_barrier<const N: usize>(
-    t: &RankTable,
+    signals: &[u64; MAX_RANKS],
+    own_sig: u64,
     rank: u32,
     block: u32,
     kind: BarrierKind,
     epoch: u32,
     timeout_ns: u64,
 ) -> bool {
-    // Every read and write of this block so far happens before the release.
-    sync_threads();
+    let order = match kind {
+        BarrierKind::Mid => Order::Publish,
+        BarrierKind::Start | BarrierKind::End => Order::ArrivalOnly,
+    };
+    if kind != BarrierKind::Start {
+        // Every read and write of this block so far happens before the arrival.
+        sync_threads();
+    }
     let tid = thread_idx_x();
     let mut failed = false;
     if (tid as usize) < N {
-        arrive(flag(t.signals[tid as usize], kind, block, rank), epoch);
-        let own = flag(t.signals[rank as usize], kind, block, tid);
-        if wait(own, epoch, timeout_ns, &mut GlobalTimer) == Wait::TimedOut {
-            let own_sig = t.signals[rank as usize];
+        arrive_ordered(flag(pick::<N>(signals, tid), kind, block, rank), epoch, order);
+        let own = flag(own_sig, kind, block, tid);
+        if wait_ordered(own, epoch, timeout_ns, &mut GlobalTimer, order) == Wait::TimedOut {
             record_error(own_sig, error_code::PEER_TIMEOUT, rank, block, tid, epoch, kind as u32);
             failed = true;
         }
     }
-    // The acquire of the waiting threads, then bar.sync, orders every later
-    // read of peer memory after the peers' releases.
+    if kind == BarrierKind::End {
+        return !failed;
+    }
+    // With `Publish`, the acquire of the waiting threads followed by bar.sync
+    // orders every later read of peer memory after the peers' releases.
     !sync_threads_or(failed)
 }
 
@@ -118,27 +146,78 @@ unsafe fn reduce_at<E: Element, const N: usize>(inputs: &[*const Pack; N], i: u6
     reduce_pack::<E, N>(&v)
 }
 
+/// Reduces packs `first + g`, `first + g + stride`, ... below `end` into
+/// `dst` (and `dst2` if not null). For N <= 4, two packs per iteration: 2N
+/// loads in flight before the first add hide more memory latency than N.
+/// Larger N already has 5..8 loads in flight, and unrolling would push the
+/// register count past what 512-thread blocks can hold.
 #[inline(always)]
-unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(
-    table: u64,
-    output: u64,
-    count: u64,
-    timeout_ns: u64,
-    rank: u32,
-    absent_ranks: u32,
+unsafe fn reduce_range<E: Element, const N: usize>(
+    inputs: &[*const Pack; N],
+    dst: *mut Pack,
+    dst2: *mut Pack,
+    first: u64,
+    end: u64,
+    g: u64,
+    stride: u64,
 ) {
-    if (absent_ranks >> rank) & 1 != 0 {
+    let mut i = first + g;
+    while N <= 4 && i + stride < end {
+        let mut v = [[0u32; 4]; N];
+        let mut w = [[0u32; 4]; N];
+        let mut r = 0;
+        while r < N {
+            v[r] = ld_pack(inputs[r].add(i as usize));
+            w[r] = ld_pack(inputs[r].add((i + stride) as usize));
+            r += 1;
+        }
+        let a = reduce_pack::<E, N>(&v);
+        let b = reduce_pack::<E, N>(&w);
+        st_pack(dst.add(i as usize), a);
+        st_pack(dst.add((i + stride) as usize), b);
+        if !dst2.is_null() {
+            st_pack(dst2.add(i as usize), a);
+            st_pack(dst2.add((i + stride) as usize), b);
+        }
+        i += 2 * stride;
+    }
+    while i < end {
+        let a = reduce_at::<E, N>(inputs, i);
+        st_pack(dst.add(i as usize), a);
+        if !dst2.is_null() {
+            st_pack(dst2.add(i as usize), a);
+        }
+        i += stride;
+    }
+}
+
+/// Copies packs `first + g`, `first + g + stride`, ... below `end`, two per
+/// iteration.
+#[inline(always)]
+unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: u64, stride: u64) {
+    let mut i = first + g;
+    while i + stride < end {
+        let a = ld_pack(src.add(i as usize));
+        let b = ld_pack(src.add((i + stride) as usize));
+        st_pack(dst.add(i as usize), a);
+        st_pack(dst.add((i + stride) as usize), b);
+        i += 2 * stride;
+    }
+    if i < end {
+        st_pack(dst.add(i as usize), ld_pack(src.add(i as usize)));
+    }
+}
+
+#[inline(always)]
+unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &LaunchArgs, rank: u32) {
+    if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
         return;
     }
-    let t = &*(table as *const RankTable);
     let block = block_idx_x();
     let nblocks = grid_dim_x();
     let tid = thread_idx_x();
     let nthreads = block_dim_x();
-    if rank as usize >= N {
-        return;
-    }
-    let own_sig = t.signals[rank as usize];
+    let own_sig = pick::<N>(&a.signals, rank);
     if nblocks as usize > MAX_BLOCKS || (nthreads as usize) < N {
         if tid == 0 {
             record_error(own_sig, error_code::BAD_LAUNCH, rank, block, 0, 0, 0);
@@ -146,9 +225,21 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(
         return;
     }
 
+    // Everything the data phase needs is loaded before the first barrier, so
+    // its latency overlaps the flag exchange.
+    let t = &*(a.table as *const RankTable);
+    let mut inputs = [core::ptr::null::<Pack>(); N];
+    let mut r = 0;
+    while r < N {
+        inputs[r] = t.inputs[r] as *const Pack;
+        r += 1;
+    }
+    let output = pick::<N>(&a.outputs, rank);
+    let out = output as *mut Pack;
     let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
     let epoch = next_epoch(read_volatile(epoch_ptr));
-    if !block_barrier::<N>(t, rank, block, BarrierKind::Start, epoch, timeout_ns) {
+
+    if !block_barrier::<N>(&a.signals, own_sig, rank, block, BarrierKind::Start, epoch, a.timeout_ns) {
         return;
     }
     if tid == 0 {
@@ -157,41 +248,24 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(
     }
 
     let lanes = E::LANES as u64;
-    let s = split(count, lanes);
+    let s = split(a.count, lanes);
     let g = (block * nthreads + tid) as u64;
     let stride = (nblocks * nthreads) as u64;
-    let mut inputs = [core::ptr::null::<Pack>(); N];
-    let mut r = 0;
-    while r < N {
-        inputs[r] = t.inputs[r] as *const Pack;
-        r += 1;
-    }
-    let out = output as *mut Pack;
 
     if !TWO_STAGE {
-        let mut i = g;
-        while i < s.packs {
-            st_pack(out.add(i as usize), reduce_at::<E, N>(&inputs, i));
-            i += stride;
-        }
+        reduce_range::<E, N>(&inputs, out, core::ptr::null_mut(), 0, s.packs, g, stride);
         reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g);
     } else {
         // Stage 1 (reduce-scatter): own partition into own scratch, and
         // straight into own output, which saves re-reading it in stage 2.
         let (start, end) = partition(s.packs, N as u32, rank);
         let scratch = t.scratch[rank as usize] as *mut Pack;
-        let mut i = start + g;
-        while i < end {
-            let v = reduce_at::<E, N>(&inputs, i);
-            st_pack(scratch.add(i as usize), v);
-            st_pack(out.add(i as usize), v);
-            i += stride;
-        }
+        reduce_range::<E, N>(&inputs, scratch, out, start, end, g, stride);
         reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g);
         // Block b of rank p wrote exactly the packs block b of this rank
         // reads below (same grid, same decomposition), so a per-block
         // barrier is enough.
-        if !block_barrier::<N>(t, rank, block, BarrierKind::Mid, epoch, timeout_ns) {
+        if !block_barrier::<N>(&a.signals, own_sig, rank, block, BarrierKind::Mid, epoch, a.timeout_ns) {
             return;
         }
         // Stage 2 (all-gather), starting at the next rank so that the ranks
@@ -200,44 +274,23 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(
         while k < N {
             let p = (rank as usize + k) % N;
             let (ps, pe) = partition(s.packs, N as u32, p as u32);
-            let src = t.scratch[p] as *const Pack;
-            let mut i = ps + g;
-            while i < pe {
-                st_pack(out.add(i as usize), ld_pack(src.add(i as usize)));
-                i += stride;
-            }
+            copy_range(t.scratch[p] as *const Pack, out, ps, pe, g, stride);
             k += 1;
         }
     }
     // No rank may reuse its input or scratch while a peer still reads them.
-    block_barrier::<N>(t, rank, block, BarrierKind::End, epoch, timeout_ns);
-}
-
-/// `outputs[rank]` with constant indices only, so the by-value parameter is
-/// read in place instead of being copied to local memory.
-#[inline(always)]
-fn pick<const N: usize>(outputs: &[u64; crate::abi::MAX_RANKS], rank: u32) -> u64 {
-    let mut o = outputs[0];
-    let mut r = 1;
-    while r < N {
-        if rank as usize == r {
-            o = outputs[r];
-        }
-        r += 1;
-    }
-    o
+    block_barrier::<N>(&a.signals, own_sig, rank, block, BarrierKind::End, epoch, a.timeout_ns);
 }
 
 macro_rules! entries {
     ($( $name:ident, $vname:ident: $E:ty, $N:literal, $two:literal; )*) => { $(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: LaunchArgs) {
-            allreduce::<$E, $N, $two>(a.table, pick::<$N>(&a.outputs, a.rank), a.count, a.timeout_ns, a.rank, a.absent_ranks)
+            allreduce::<$E, $N, $two>(&a, a.rank)
         }
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $vname(a: LaunchArgs) {
-            let rank = block_idx_y();
-            allreduce::<$E, $N, $two>(a.table, pick::<$N>(&a.outputs, rank), a.count, a.timeout_ns, rank, a.absent_ranks)
+            allreduce::<$E, $N, $two>(&a, block_idx_y())
         }
     )* };
 }
