@@ -62,14 +62,27 @@ fn main() {
     table.push_str("| bytes | 1-stage N=2 | N=4 | N=8 | 2-stage N=2 | N=4 | N=8 |\n|---|---|---|---|---|---|---|\n");
     let mut results = vec![[0f64; 6]; SIZES.len()];
     for (wi, &world) in WORLDS.iter().enumerate() {
-        let cfg = Config { max_bytes: 64 << 20, max_blocks: 16, threads_per_block: 512, ..Config::default() };
+        let cfg = Config {
+            max_bytes: 64 << 20,
+            max_blocks: 16,
+            threads_per_block: 512,
+            ..Config::default()
+        };
         let group = VirtualGroup::new(&ctx, world, cfg).expect("group");
         for (si, &(bytes, _)) in SIZES.iter().enumerate() {
             let len = bytes / 2;
-            let data: Vec<half::bf16> = (0..len).map(|i| half::bf16::from_f32(((i % 251) as f32) * 0.01 - 1.0)).collect();
+            let data: Vec<half::bf16> = (0..len)
+                .map(|i| half::bf16::from_f32(((i % 251) as f32) * 0.01 - 1.0))
+                .collect();
             for (ai, algo) in Algorithm::ALL.into_iter().enumerate() {
-                let timing = Timing { per_graph: PER_GRAPH, warmup: WARMUP, replays: REPLAYS };
-                let s = time_registered(&group, &stream, len, &data, AlgoChoice::from(algo), timing).expect("timing");
+                let timing = Timing {
+                    per_graph: PER_GRAPH,
+                    warmup: WARMUP,
+                    replays: REPLAYS,
+                };
+                let s =
+                    time_registered(&group, &stream, len, &data, AlgoChoice::from(algo), timing)
+                        .expect("timing");
                 assert_eq!(s.algorithm, algo);
                 results[si][ai * 3 + wi] = s.median_us;
             }

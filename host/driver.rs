@@ -44,7 +44,9 @@ pub struct DeviceInfo {
 }
 
 pub fn device_info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
-    let (major, minor) = ctx.compute_capability().during("cuDeviceGetAttribute(compute capability)")?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .during("cuDeviceGetAttribute(compute capability)")?;
     let sms = ctx
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .during("cuDeviceGetAttribute(multiprocessors)")?;
@@ -59,9 +61,15 @@ pub fn device_info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
 
 /// The embedded PTX this device would run.
 pub fn module_for_device(ctx: &Arc<CudaContext>) -> Result<&'static PtxModule> {
-    let (major, minor) = ctx.compute_capability().during("cuDeviceGetAttribute(compute capability)")?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .during("cuDeviceGetAttribute(compute capability)")?;
     let (major, minor) = (major as u32, minor as u32);
-    ptx::module_for((major, minor)).ok_or_else(|| Error::NoPtxForDevice { major, minor, built: ptx::built_archs() })
+    ptx::module_for((major, minor)).ok_or_else(|| Error::NoPtxForDevice {
+        major,
+        minor,
+        built: ptx::built_archs(),
+    })
 }
 
 /// Device memory from plain `cuMemAlloc` (so it can be exported as a CUDA
@@ -78,7 +86,11 @@ impl DeviceAlloc {
         // SAFETY: the context is current; a zero-size request is rounded up
         // so the pointer is always a real allocation.
         let ptr = unsafe { result::malloc_sync(bytes.max(256)) }.during("cuMemAlloc")?;
-        let a = DeviceAlloc { ctx: ctx.clone(), ptr, bytes };
+        let a = DeviceAlloc {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+        };
         // SAFETY: `ptr` is a fresh allocation of at least `bytes` bytes.
         unsafe { result::memset_d8_sync(ptr, 0, bytes.max(256)) }.during("cuMemsetD8")?;
         Ok(a)
@@ -91,14 +103,20 @@ impl DeviceAlloc {
     }
     /// Copies `src` into the start of the allocation (synchronous).
     pub fn write<T: Copy>(&self, src: &[T]) -> Result<()> {
-        assert!(std::mem::size_of_val(src) <= self.bytes.max(256), "write past the end of a DeviceAlloc");
+        assert!(
+            std::mem::size_of_val(src) <= self.bytes.max(256),
+            "write past the end of a DeviceAlloc"
+        );
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
         // SAFETY: bounds checked above; T is plain data (Copy, repr(C) ABI structs).
         unsafe { result::memcpy_htod_sync(self.ptr, src) }.during("cuMemcpyHtoD")
     }
     /// Reads the start of the allocation into `dst` (synchronous).
     pub fn read<T: Copy>(&self, dst: &mut [T]) -> Result<()> {
-        assert!(std::mem::size_of_val(dst) <= self.bytes.max(256), "read past the end of a DeviceAlloc");
+        assert!(
+            std::mem::size_of_val(dst) <= self.bytes.max(256),
+            "read past the end of a DeviceAlloc"
+        );
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
         // SAFETY: bounds checked above; every bit pattern is valid for the
         // plain-data types read here (u32 words, repr(C) records of u32).
@@ -147,7 +165,11 @@ impl Kernels {
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
         loaded.retain(|(_, w)| w.strong_count() > 0);
         let key = ctx.cu_ctx() as usize;
-        if let Some(k) = loaded.iter().find(|(c, _)| *c == key).and_then(|(_, w)| w.upgrade()) {
+        if let Some(k) = loaded
+            .iter()
+            .find(|(c, _)| *c == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
             return Ok(k);
         }
         let k = Arc::new(Self::load(ctx)?);
@@ -160,8 +182,14 @@ impl Kernels {
         ctx.bind_to_thread().during("cuCtxSetCurrent")?;
         let src = CString::new(ptx.ptx).expect("embedded PTX has no NUL byte");
         // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
-        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }.during("cuModuleLoadData")?;
-        Ok(Kernels { ctx: ctx.clone(), module, ptx, functions: Mutex::new(HashMap::new()) })
+        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }
+            .during("cuModuleLoadData")?;
+        Ok(Kernels {
+            ctx: ctx.clone(),
+            module,
+            ptx,
+            functions: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn function(&self, entry: Entry) -> Result<sys::CUfunction> {
@@ -172,7 +200,8 @@ impl Kernels {
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
         let name = CString::new(entry.name()).expect("entry names have no NUL byte");
         // SAFETY: the module is loaded and stays loaded while `self` lives.
-        let f = unsafe { result::module::get_function(self.module, name) }.during("cuModuleGetFunction")?;
+        let f = unsafe { result::module::get_function(self.module, name) }
+            .during("cuModuleGetFunction")?;
         cache.insert(entry, f as usize);
         Ok(f)
     }
@@ -185,8 +214,9 @@ impl Kernels {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("cuDeviceGetAttribute(multiprocessors)")?;
         // SAFETY: `f` is a valid function of a loaded module.
-        let per_sm = unsafe { result::occupancy::max_active_block_per_multiprocessor(f, threads as i32, 0) }
-            .during("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+        let per_sm =
+            unsafe { result::occupancy::max_active_block_per_multiprocessor(f, threads as i32, 0) }
+                .during("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
         Ok((per_sm.max(0) as u32) * sms as u32)
     }
 

@@ -17,28 +17,52 @@ pub enum Error {
         "no PTX in this build runs on compute capability {major}.{minor}: built for {built:?}; rebuild with \
          P2P_ALLREDUCE_ARCHS including sm_{major}{minor}"
     )]
-    NoPtxForDevice { major: u32, minor: u32, built: Vec<&'static str> },
+    NoPtxForDevice {
+        major: u32,
+        minor: u32,
+        built: Vec<&'static str>,
+    },
 
     #[error("world size {0} is not supported: use 1..={MAX_RANKS} ranks")]
     WorldSize(usize),
 
     #[error("got {got} {what} for a group of {world} ranks: pass exactly one per rank")]
-    RankCount { what: &'static str, got: usize, world: usize },
+    RankCount {
+        what: &'static str,
+        got: usize,
+        world: usize,
+    },
 
     #[error(
         "rank mismatch: rank {rank} has {dtype:?} x {count} but rank 0 has {dtype0:?} x {count0}; every rank \
          must pass the same dtype and element count to the same collective"
     )]
-    RankMismatch { rank: usize, dtype: Dtype, count: usize, dtype0: Dtype, count0: usize },
+    RankMismatch {
+        rank: usize,
+        dtype: Dtype,
+        count: usize,
+        dtype0: Dtype,
+        count0: usize,
+    },
 
     #[error(
         "{what} of rank {rank} at {ptr:#x} is not {align}-byte aligned: pass a buffer from cuMemAlloc (or an \
          offset that is a multiple of {align} bytes), or use the staged path which copies it"
     )]
-    Misaligned { what: &'static str, rank: usize, ptr: u64, align: usize },
+    Misaligned {
+        what: &'static str,
+        rank: usize,
+        ptr: u64,
+        align: usize,
+    },
 
     #[error("{what} of rank {rank} holds {len} elements but the collective needs {need}: pass a larger buffer")]
-    BufferTooSmall { what: &'static str, rank: usize, len: usize, need: usize },
+    BufferTooSmall {
+        what: &'static str,
+        rank: usize,
+        len: usize,
+        need: usize,
+    },
 
     #[error(
         "message of {bytes} bytes is larger than this group's {capacity}-byte buffers and chunking was turned \
@@ -51,7 +75,13 @@ pub enum Error {
          within the timeout; that rank is dead, late, or ran a different collective. The group is now out of \
          step: call reset() on every rank (or recreate the group) before the next collective"
     )]
-    PeerTimeout { rank: usize, block: u32, peer: u32, barrier: BarrierKind, epoch: u32 },
+    PeerTimeout {
+        rank: usize,
+        block: u32,
+        peer: u32,
+        barrier: BarrierKind,
+        epoch: u32,
+    },
 
     #[error("kernel on rank {rank} reported a bad launch shape (block {block}): this is a bug in p2p-allreduce")]
     BadLaunch { rank: usize, block: u32 },
@@ -64,9 +94,15 @@ pub enum Error {
          all virtual ranks must run at once or their barriers would wait forever: use fewer blocks \
          (Config::max_blocks) or fewer ranks"
     )]
-    NotCoResident { blocks: u32, threads: u32, capacity: u32 },
+    NotCoResident {
+        blocks: u32,
+        threads: u32,
+        capacity: u32,
+    },
 
-    #[error("GPU {a} cannot access GPU {b} as a peer (no P2P path): these two GPUs cannot form a group")]
+    #[error(
+        "GPU {a} cannot access GPU {b} as a peer (no P2P path): these two GPUs cannot form a group"
+    )]
     NoPeerAccess { a: usize, b: usize },
 
     #[error("the group is poisoned by an earlier error ({0}); call reset() or recreate it")]
@@ -79,7 +115,10 @@ pub enum Error {
     Config(String),
 
     #[error("CUDA driver error in {during}: {source}")]
-    Driver { during: &'static str, source: DriverError },
+    Driver {
+        during: &'static str,
+        source: DriverError,
+    },
 }
 
 /// Attaches what we were doing to a driver error.
@@ -89,6 +128,9 @@ pub(crate) trait Context<T> {
 
 impl<T> Context<T> for std::result::Result<T, DriverError> {
     fn during(self, what: &'static str) -> Result<T> {
-        self.map_err(|source| Error::Driver { during: what, source })
+        self.map_err(|source| Error::Driver {
+            during: what,
+            source,
+        })
     }
 }

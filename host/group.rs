@@ -12,13 +12,16 @@
 //! (buffers the group owns and peers read directly; zero copy).
 
 use crate::abi::{
-    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, LaunchArgs, RankTable, Signal, BUFFER_ALIGN, MAX_RANKS,
+    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, LaunchArgs, RankTable, Signal,
+    BUFFER_ALIGN, MAX_RANKS,
 };
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::error::{Context as _, Error, Result};
 use crate::plan::{blocks_for, AlgoChoice, Config, Link};
 use crate::ptx::Entry;
-use cudarc::driver::{result, sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{
+    result, sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+};
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -70,7 +73,12 @@ fn check_count(what: &'static str, got: usize, world: usize) -> Result<()> {
 
 fn check_aligned(what: &'static str, rank: usize, ptr: u64) -> Result<()> {
     if ptr % BUFFER_ALIGN as u64 != 0 {
-        return Err(Error::Misaligned { what, rank, ptr, align: BUFFER_ALIGN });
+        return Err(Error::Misaligned {
+            what,
+            rank,
+            ptr,
+            align: BUFFER_ALIGN,
+        });
     }
     Ok(())
 }
@@ -119,7 +127,12 @@ fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
                     epoch: rec.epoch,
                 })
             }
-            error_code::BAD_LAUNCH => return Err(Error::BadLaunch { rank, block: rec.block }),
+            error_code::BAD_LAUNCH => {
+                return Err(Error::BadLaunch {
+                    rank,
+                    block: rec.block,
+                })
+            }
             code => return Err(Error::UnknownKernelError { rank, code }),
         }
     }
@@ -144,8 +157,17 @@ unsafe fn launch(
     // SAFETY: `f` takes exactly one parameter of LaunchArgs' size and layout
     // (asserted in abi.rs and checked against the PTX by tests/ptx.rs); the
     // driver copies the parameter bytes before returning.
-    unsafe { result::launch_kernel(f, (grid.0, grid.1, 1), (threads, 1, 1), 0, stream.cu_stream(), &mut params) }
-        .during("cuLaunchKernel")
+    unsafe {
+        result::launch_kernel(
+            f,
+            (grid.0, grid.1, 1),
+            (threads, 1, 1),
+            0,
+            stream.cu_stream(),
+            &mut params,
+        )
+    }
+    .during("cuLaunchKernel")
 }
 
 /// Shared state checks of both group kinds.
@@ -200,14 +222,29 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
         self.bufs[rank].ptr()
     }
     /// Copies `src` into rank `rank`'s buffer, ordered on `stream`.
-    pub fn copy_from(&self, rank: usize, stream: &Arc<CudaStream>, src: &CudaSlice<T>) -> Result<()> {
+    pub fn copy_from(
+        &self,
+        rank: usize,
+        stream: &Arc<CudaStream>,
+        src: &CudaSlice<T>,
+    ) -> Result<()> {
         if src.len() > self.len {
-            return Err(Error::BufferTooSmall { what: "registered buffer", rank, len: self.len, need: src.len() });
+            return Err(Error::BufferTooSmall {
+                what: "registered buffer",
+                rank,
+                len: self.len,
+                need: src.len(),
+            });
         }
         let (p, _g) = src.device_ptr(stream);
         // SAFETY: both ranges are live device memory of at least src.len() elements.
         unsafe {
-            result::memcpy_dtod_async(self.bufs[rank].ptr(), p, src.len() * Dtype::size(T::DTYPE), stream.cu_stream())
+            result::memcpy_dtod_async(
+                self.bufs[rank].ptr(),
+                p,
+                src.len() * Dtype::size(T::DTYPE),
+                stream.cu_stream(),
+            )
         }
         .during("cuMemcpyDtoDAsync (registered input)")
     }
@@ -241,13 +278,23 @@ impl VirtualGroup {
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
         let kernels = Kernels::for_context(ctx)?;
-        let ranks = (0..world).map(|_| RankBuffers::new(ctx, config.max_bytes)).collect::<Result<Vec<_>>>()?;
+        let ranks = (0..world)
+            .map(|_| RankBuffers::new(ctx, config.max_bytes))
+            .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&RankBuffers> = ranks.iter().collect();
         let t = table(|r| ranks[r].staging.ptr(), &refs);
         let signals = signal_ptrs(&refs);
         let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
         staged_table.write(std::slice::from_ref(&t))?;
-        Ok(VirtualGroup { world, config, kernels, ranks, signals, staged_table, health: Health::new() })
+        Ok(VirtualGroup {
+            world,
+            config,
+            kernels,
+            ranks,
+            signals,
+            staged_table,
+            health: Health::new(),
+        })
     }
 
     pub fn world(&self) -> usize {
@@ -275,14 +322,28 @@ impl VirtualGroup {
         let count = inputs[0].len();
         for (r, (i, o)) in inputs.iter().zip(outputs.iter()).enumerate() {
             if i.len() != count {
-                return Err(Error::RankMismatch { rank: r, dtype: T::DTYPE, count: i.len(), dtype0: T::DTYPE, count0: count });
+                return Err(Error::RankMismatch {
+                    rank: r,
+                    dtype: T::DTYPE,
+                    count: i.len(),
+                    dtype0: T::DTYPE,
+                    count0: count,
+                });
             }
             if o.len() < count {
-                return Err(Error::BufferTooSmall { what: "output", rank: r, len: o.len(), need: count });
+                return Err(Error::BufferTooSmall {
+                    what: "output",
+                    rank: r,
+                    len: o.len(),
+                    need: count,
+                });
             }
         }
         let ins: Vec<_> = inputs.iter().map(|s| s.device_ptr(stream)).collect();
-        let outs: Vec<_> = outputs.iter_mut().map(|s| s.device_ptr_mut(stream)).collect();
+        let outs: Vec<_> = outputs
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
         let in_ptrs: Vec<u64> = ins.iter().map(|p| p.0).collect();
         let out_ptrs: Vec<u64> = outs.iter().map(|p| p.0).collect();
         // SAFETY: every pointer comes from a live CudaSlice of at least `count` elements.
@@ -312,7 +373,10 @@ impl VirtualGroup {
         let size = dtype.size();
         let bytes = count * size;
         if bytes > self.config.max_bytes && !self.config.chunking {
-            return Err(Error::MessageTooLarge { bytes, capacity: self.config.max_bytes });
+            return Err(Error::MessageTooLarge {
+                bytes,
+                capacity: self.config.max_bytes,
+            });
         }
         let chunk = chunk_elems(self.config.max_bytes, dtype);
         let mut off = 0usize;
@@ -334,7 +398,10 @@ impl VirtualGroup {
                 }
             }
             let outs: Vec<u64> = outputs.iter().map(|&o| o + (off * size) as u64).collect();
-            let used = self.config.thresholds.choose(algo, n * size, self.world, Link::SameDevice);
+            let used = self
+                .config
+                .thresholds
+                .choose(algo, n * size, self.world, Link::SameDevice);
             // SAFETY: staging/scratch/signals are this group's live buffers,
             // the outputs are valid per the caller's contract.
             unsafe { self.launch(stream, self.staged_table.ptr(), dtype, n, &outs, used, 0)? };
@@ -355,7 +422,13 @@ impl VirtualGroup {
         let t = table(|r| bufs[r].ptr(), &refs);
         let tab = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
         tab.write(std::slice::from_ref(&t))?;
-        Ok(RegisteredBuffers { bufs, tables: vec![tab], len, ctxs: vec![ctx.clone()], _t: PhantomData })
+        Ok(RegisteredBuffers {
+            bufs,
+            tables: vec![tab],
+            len,
+            ctxs: vec![ctx.clone()],
+            _t: PhantomData,
+        })
     }
 
     /// Allreduce of the first `count` elements of registered buffers into
@@ -373,12 +446,22 @@ impl VirtualGroup {
         check_count("outputs", outputs.len(), self.world)?;
         check_count("registered buffers", reg.bufs.len(), self.world)?;
         if count > reg.len {
-            return Err(Error::BufferTooSmall { what: "registered buffer", rank: 0, len: reg.len, need: count });
+            return Err(Error::BufferTooSmall {
+                what: "registered buffer",
+                rank: 0,
+                len: reg.len,
+                need: count,
+            });
         }
         let mut outs = Vec::with_capacity(self.world);
         for (r, o) in outputs.iter_mut().enumerate() {
             if o.len() < count {
-                return Err(Error::BufferTooSmall { what: "output", rank: r, len: o.len(), need: count });
+                return Err(Error::BufferTooSmall {
+                    what: "output",
+                    rank: r,
+                    len: o.len(),
+                    need: count,
+                });
             }
             let (p, g) = o.device_ptr_mut(stream);
             check_aligned("output", r, p)?;
@@ -386,12 +469,25 @@ impl VirtualGroup {
         }
         let out_ptrs: Vec<u64> = outs.iter().map(|p| p.0).collect();
         let bytes = count * T::DTYPE.size();
-        let mut used = self.config.thresholds.choose(algo, bytes, self.world, Link::SameDevice);
+        let mut used = self
+            .config
+            .thresholds
+            .choose(algo, bytes, self.world, Link::SameDevice);
         if used == Algorithm::TwoStage && bytes > self.config.max_bytes {
             used = Algorithm::OneStage;
         }
         // SAFETY: registered buffers hold >= count elements; outputs checked above.
-        unsafe { self.launch(stream, reg.tables[0].ptr(), T::DTYPE, count, &out_ptrs, used, 0)? };
+        unsafe {
+            self.launch(
+                stream,
+                reg.tables[0].ptr(),
+                T::DTYPE,
+                count,
+                &out_ptrs,
+                used,
+                0,
+            )?
+        };
         Ok(used)
     }
 
@@ -409,12 +505,30 @@ impl VirtualGroup {
         absent_ranks: u32,
     ) -> Result<()> {
         let c = &self.config;
-        let entry = Entry { algorithm: algo, dtype, world: self.world, virtual_ranks: true };
-        let blocks = blocks_for(algo, dtype, count, self.world, c.threads_per_block, c.max_blocks);
-        let capacity = self.kernels.co_resident_blocks(entry, c.threads_per_block)?;
+        let entry = Entry {
+            algorithm: algo,
+            dtype,
+            world: self.world,
+            virtual_ranks: true,
+        };
+        let blocks = blocks_for(
+            algo,
+            dtype,
+            count,
+            self.world,
+            c.threads_per_block,
+            c.max_blocks,
+        );
+        let capacity = self
+            .kernels
+            .co_resident_blocks(entry, c.threads_per_block)?;
         let total = blocks * self.world as u32;
         if total > capacity {
-            return Err(Error::NotCoResident { blocks: total, threads: c.threads_per_block, capacity });
+            return Err(Error::NotCoResident {
+                blocks: total,
+                threads: c.threads_per_block,
+                capacity,
+            });
         }
         let mut args = LaunchArgs {
             table,
@@ -426,7 +540,16 @@ impl VirtualGroup {
         };
         args.outputs[..outputs.len()].copy_from_slice(outputs);
         // SAFETY: forwarded from the caller.
-        unsafe { launch(&self.kernels, stream, entry, (blocks, self.world as u32), c.threads_per_block, &args) }
+        unsafe {
+            launch(
+                &self.kernels,
+                stream,
+                entry,
+                (blocks, self.world as u32),
+                c.threads_per_block,
+                &args,
+            )
+        }
     }
 
     /// Waits for `stream`, then reports any error the kernels recorded (a
@@ -440,7 +563,10 @@ impl VirtualGroup {
     /// Brings every rank back to a clean state after an error: waits for the
     /// device, zeroes all signals (epochs and error records).
     pub fn reset(&self) -> Result<()> {
-        self.kernels.context().synchronize().during("cuCtxSynchronize")?;
+        self.kernels
+            .context()
+            .synchronize()
+            .during("cuCtxSynchronize")?;
         for r in &self.ranks {
             r.signal.write(&[0u8; std::mem::size_of::<Signal>()])?;
         }
@@ -453,13 +579,28 @@ impl VirtualGroup {
     /// leave at once, as dead peers would. The present ranks must report a
     /// timeout through [`VirtualGroup::check`].
     #[doc(hidden)]
-    pub fn launch_with_absent_ranks(&self, stream: &Arc<CudaStream>, absent_ranks: u32, count: usize) -> Result<()> {
+    pub fn launch_with_absent_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        absent_ranks: u32,
+        count: usize,
+    ) -> Result<()> {
         let count = count.min(self.config.max_bytes / 4);
         let out = DeviceAlloc::zeroed(self.kernels.context(), count * 4)?;
         let outs = vec![out.ptr(); self.world];
         // SAFETY: staging holds max_bytes >= count * 4; `out` holds count f32
         // (all ranks write the same values to it, which is harmless here).
-        unsafe { self.launch(stream, self.staged_table.ptr(), Dtype::F32, count, &outs, Algorithm::OneStage, absent_ranks)? };
+        unsafe {
+            self.launch(
+                stream,
+                self.staged_table.ptr(),
+                Dtype::F32,
+                count,
+                &outs,
+                Algorithm::OneStage,
+                absent_ranks,
+            )?
+        };
         stream.synchronize().during("cuStreamSynchronize")?;
         Ok(())
     }
@@ -503,7 +644,10 @@ impl PeerGroup {
                     .result()
                     .during("cuDeviceCanAccessPeer")?;
                 if can == 0 {
-                    return Err(Error::NoPeerAccess { a: ca.ordinal(), b: cb.ordinal() });
+                    return Err(Error::NoPeerAccess {
+                        a: ca.ordinal(),
+                        b: cb.ordinal(),
+                    });
                 }
                 let mut atomics = 0i32;
                 // SAFETY: as above.
@@ -518,7 +662,11 @@ impl PeerGroup {
                 .result()
                 .during("cuDeviceGetP2PAttribute")?;
                 // Native peer atomics are an NVLink property; PCIe P2P lacks them.
-                let l = if atomics != 0 { Link::NvLink } else { Link::Pcie };
+                let l = if atomics != 0 {
+                    Link::NvLink
+                } else {
+                    Link::Pcie
+                };
                 link = match (link, l) {
                     (Link::Pcie, _) | (_, Link::Pcie) => Link::Pcie,
                     _ => Link::NvLink,
@@ -537,7 +685,10 @@ impl PeerGroup {
         }
         let mut ranks = Vec::with_capacity(world);
         for ctx in contexts {
-            ranks.push((Kernels::for_context(ctx)?, RankBuffers::new(ctx, config.max_bytes)?));
+            ranks.push((
+                Kernels::for_context(ctx)?,
+                RankBuffers::new(ctx, config.max_bytes)?,
+            ));
         }
         let refs: Vec<&RankBuffers> = ranks.iter().map(|(_, b)| b).collect();
         let t = table(|r| refs[r].staging.ptr(), &refs);
@@ -546,9 +697,20 @@ impl PeerGroup {
         for (ctx, (kernels, bufs)) in contexts.iter().zip(ranks) {
             let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
             staged_table.write(std::slice::from_ref(&t))?;
-            out.push(PeerRank { kernels, bufs, staged_table });
+            out.push(PeerRank {
+                kernels,
+                bufs,
+                staged_table,
+            });
         }
-        Ok(PeerGroup { world, signals, config, link, ranks: out, health: Health::new() })
+        Ok(PeerGroup {
+            world,
+            signals,
+            config,
+            link,
+            ranks: out,
+            health: Health::new(),
+        })
     }
 
     pub fn world(&self) -> usize {
@@ -575,16 +737,30 @@ impl PeerGroup {
         let size = T::DTYPE.size();
         let bytes = count * size;
         if bytes > self.config.max_bytes && !self.config.chunking {
-            return Err(Error::MessageTooLarge { bytes, capacity: self.config.max_bytes });
+            return Err(Error::MessageTooLarge {
+                bytes,
+                capacity: self.config.max_bytes,
+            });
         }
         let mut ins = Vec::new();
         let mut outs = Vec::new();
         for r in 0..self.world {
             if inputs[r].len() != count {
-                return Err(Error::RankMismatch { rank: r, dtype: T::DTYPE, count: inputs[r].len(), dtype0: T::DTYPE, count0: count });
+                return Err(Error::RankMismatch {
+                    rank: r,
+                    dtype: T::DTYPE,
+                    count: inputs[r].len(),
+                    dtype0: T::DTYPE,
+                    count0: count,
+                });
             }
             if outputs[r].len() < count {
-                return Err(Error::BufferTooSmall { what: "output", rank: r, len: outputs[r].len(), need: count });
+                return Err(Error::BufferTooSmall {
+                    what: "output",
+                    rank: r,
+                    len: outputs[r].len(),
+                    need: count,
+                });
             }
         }
         for (r, (i, o)) in inputs.iter().zip(outputs.iter_mut()).enumerate() {
@@ -597,11 +773,26 @@ impl PeerGroup {
         let mut off = 0usize;
         loop {
             let n = (count - off).min(chunk);
-            let used = self.config.thresholds.choose(algo, n * size, self.world, self.link);
+            let used = self
+                .config
+                .thresholds
+                .choose(algo, n * size, self.world, self.link);
             let c = &self.config;
-            let blocks = blocks_for(used, T::DTYPE, n, self.world, c.threads_per_block, c.max_blocks);
+            let blocks = blocks_for(
+                used,
+                T::DTYPE,
+                n,
+                self.world,
+                c.threads_per_block,
+                c.max_blocks,
+            );
             for (r, rank) in self.ranks.iter().enumerate() {
-                let entry = Entry { algorithm: used, dtype: T::DTYPE, world: self.world, virtual_ranks: false };
+                let entry = Entry {
+                    algorithm: used,
+                    dtype: T::DTYPE,
+                    world: self.world,
+                    virtual_ranks: false,
+                };
                 if n > 0 {
                     // SAFETY: input holds `count` elements, staging holds max_bytes >= n * size.
                     unsafe {
@@ -625,7 +816,16 @@ impl PeerGroup {
                 args.outputs[r] = outs[r].0 + (off * size) as u64;
                 // SAFETY: table, staging, scratch and signals are this group's
                 // live buffers; the output holds `count` elements.
-                unsafe { launch(&rank.kernels, &streams[r], entry, (blocks, 1), c.threads_per_block, &args)? };
+                unsafe {
+                    launch(
+                        &rank.kernels,
+                        &streams[r],
+                        entry,
+                        (blocks, 1),
+                        c.threads_per_block,
+                        &args,
+                    )?
+                };
             }
             off += n;
             if off >= count {
@@ -646,7 +846,10 @@ impl PeerGroup {
     /// Zeroes every rank's signal after waiting for all devices.
     pub fn reset(&self) -> Result<()> {
         for r in &self.ranks {
-            r.kernels.context().synchronize().during("cuCtxSynchronize")?;
+            r.kernels
+                .context()
+                .synchronize()
+                .during("cuCtxSynchronize")?;
         }
         for r in &self.ranks {
             r.bufs.signal.write(&[0u8; std::mem::size_of::<Signal>()])?;

@@ -7,19 +7,19 @@
 //! - [`reference`]: the CPU oracle of the determinism contract.
 #![deny(unsafe_op_in_unsafe_fn)]
 
-pub use p2p_allreduce_device::abi;
-pub use p2p_allreduce_device::abi::{Algorithm, Dtype};
 /// The kernel crate's pure pieces (element types, reduction, partitioning,
 /// barrier protocol), compiled for the host.
 pub use p2p_allreduce_device as device;
+pub use p2p_allreduce_device::abi;
+pub use p2p_allreduce_device::abi::{Algorithm, Dtype};
 
-pub mod ptx;
-pub mod ptxas;
-pub mod reference;
 pub mod driver;
 pub mod error;
 pub mod group;
 pub mod plan;
+pub mod ptx;
+pub mod ptxas;
+pub mod reference;
 
 pub use error::{Error, Result};
 pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, VirtualGroup};

@@ -22,7 +22,11 @@ pub struct Timing {
 
 impl Default for Timing {
     fn default() -> Self {
-        Timing { per_graph: 20, warmup: 3, replays: 25 }
+        Timing {
+            per_graph: 20,
+            warmup: 3,
+            replays: 25,
+        }
     }
 }
 
@@ -49,13 +53,19 @@ pub fn time_registered<T: DeviceElement>(
     let ctx = stream.context().clone();
     let reg = group.alloc_registered::<T>(count.max(1))?;
     if count > 0 {
-        let src = stream.clone_htod(&fill[..count]).during("cuMemcpyHtoD (bench input)")?;
+        let src = stream
+            .clone_htod(&fill[..count])
+            .during("cuMemcpyHtoD (bench input)")?;
         for r in 0..group.world() {
             reg.copy_from(r, stream, &src)?;
         }
     }
     let mut outs: Vec<CudaSlice<T>> = (0..group.world())
-        .map(|_| stream.alloc_zeros::<T>(count.max(1)).during("cuMemAlloc (bench output)"))
+        .map(|_| {
+            stream
+                .alloc_zeros::<T>(count.max(1))
+                .during("cuMemAlloc (bench output)")
+        })
         .collect::<Result<_>>()?;
     let mut used = Algorithm::OneStage;
     stream
@@ -71,7 +81,9 @@ pub fn time_registered<T: DeviceElement>(
             }
         }
     }
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).during("cuStreamEndCapture")?;
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .during("cuStreamEndCapture")?;
     r?;
     let graph = graph.ok_or_else(|| crate::Error::Config("captured graph is empty".into()))?;
     for _ in 0..timing.warmup {
@@ -79,8 +91,12 @@ pub fn time_registered<T: DeviceElement>(
     }
     group.check(stream)?;
     let mut times = Vec::with_capacity(timing.replays);
-    let start = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).during("cuEventCreate")?;
-    let end = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).during("cuEventCreate")?;
+    let start = ctx
+        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .during("cuEventCreate")?;
+    let end = ctx
+        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .during("cuEventCreate")?;
     for _ in 0..timing.replays.max(1) {
         start.record(stream).during("cuEventRecord")?;
         graph.launch().during("cuGraphLaunch")?;

@@ -47,12 +47,42 @@ impl Default for Thresholds {
         const M: usize = 1024 * 1024;
         Thresholds {
             // From the H200 virtual-rank benchmark (docs/benchmarks.md).
-            same_device: [0, usize::MAX, 8 * M, 1 * M, 1 * M, 512 * K, 512 * K, 256 * K, 256 * K],
+            same_device: [
+                0,
+                usize::MAX,
+                8 * M,
+                1 * M,
+                1 * M,
+                512 * K,
+                512 * K,
+                256 * K,
+                256 * K,
+            ],
             // Starting points in the spirit of the published custom-allreduce
             // tables; to be re-tuned on real multi-GPU machines.
-            nvlink: [0, usize::MAX, 8 * M, 1 * M, 512 * K, 512 * K, 256 * K, 256 * K, 256 * K],
+            nvlink: [
+                0,
+                usize::MAX,
+                8 * M,
+                1 * M,
+                512 * K,
+                512 * K,
+                256 * K,
+                256 * K,
+                256 * K,
+            ],
             // On PCIe every one-stage rank pulls (N-1)x the message over a shared bus.
-            pcie: [0, usize::MAX, 512 * K, 128 * K, 64 * K, 32 * K, 32 * K, 32 * K, 32 * K],
+            pcie: [
+                0,
+                usize::MAX,
+                512 * K,
+                128 * K,
+                64 * K,
+                32 * K,
+                32 * K,
+                32 * K,
+                32 * K,
+            ],
         }
     }
 }
@@ -112,14 +142,27 @@ impl Default for Config {
 
 impl Config {
     pub(crate) fn validate(&self) -> Result<(), String> {
-        if self.threads_per_block < 32 || self.threads_per_block > 1024 || self.threads_per_block % 32 != 0 {
-            return Err(format!("threads_per_block = {}: use a multiple of 32 in 32..=1024", self.threads_per_block));
+        if self.threads_per_block < 32
+            || self.threads_per_block > 1024
+            || self.threads_per_block % 32 != 0
+        {
+            return Err(format!(
+                "threads_per_block = {}: use a multiple of 32 in 32..=1024",
+                self.threads_per_block
+            ));
         }
         if self.max_blocks == 0 || self.max_blocks as usize > MAX_BLOCKS {
-            return Err(format!("max_blocks = {}: use 1..={MAX_BLOCKS}", self.max_blocks));
+            return Err(format!(
+                "max_blocks = {}: use 1..={MAX_BLOCKS}",
+                self.max_blocks
+            ));
         }
         if self.max_bytes < crate::abi::PACK_BYTES * MAX_RANKS {
-            return Err(format!("max_bytes = {}: use at least {} bytes", self.max_bytes, crate::abi::PACK_BYTES * MAX_RANKS));
+            return Err(format!(
+                "max_bytes = {}: use at least {} bytes",
+                self.max_bytes,
+                crate::abi::PACK_BYTES * MAX_RANKS
+            ));
         }
         Ok(())
     }
@@ -134,7 +177,14 @@ impl Config {
 /// least one, at most `max_blocks`. Few blocks for small messages means few
 /// flags to exchange. Every rank computes the same value from the same
 /// inputs, which the barrier protocol requires.
-pub fn blocks_for(algo: Algorithm, dtype: Dtype, count: usize, world: usize, threads: u32, max_blocks: u32) -> u32 {
+pub fn blocks_for(
+    algo: Algorithm,
+    dtype: Dtype,
+    count: usize,
+    world: usize,
+    threads: u32,
+    max_blocks: u32,
+) -> u32 {
     let packs = count.div_ceil(dtype.lanes()).max(1);
     let work = match algo {
         Algorithm::OneStage => packs,
@@ -151,10 +201,22 @@ mod tests {
     fn auto_switches_at_the_threshold() {
         let t = Thresholds::default();
         let th = t.same_device[4];
-        assert_eq!(t.choose(AlgoChoice::Auto, th, 4, Link::SameDevice), Algorithm::OneStage);
-        assert_eq!(t.choose(AlgoChoice::Auto, th + 1, 4, Link::SameDevice), Algorithm::TwoStage);
-        assert_eq!(t.choose(AlgoChoice::Auto, usize::MAX, 1, Link::Pcie), Algorithm::OneStage);
-        assert_eq!(t.choose(AlgoChoice::TwoStage, 16, 2, Link::Pcie), Algorithm::TwoStage);
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, th, 4, Link::SameDevice),
+            Algorithm::OneStage
+        );
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, th + 1, 4, Link::SameDevice),
+            Algorithm::TwoStage
+        );
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, usize::MAX, 1, Link::Pcie),
+            Algorithm::OneStage
+        );
+        assert_eq!(
+            t.choose(AlgoChoice::TwoStage, 16, 2, Link::Pcie),
+            Algorithm::TwoStage
+        );
     }
 
     #[test]
@@ -167,7 +229,13 @@ mod tests {
                 }
             }
         }
-        assert_eq!(blocks_for(Algorithm::OneStage, Dtype::F32, 4, 2, 512, 16), 1);
-        assert_eq!(blocks_for(Algorithm::OneStage, Dtype::F32, 4 * 512 * 3, 2, 512, 16), 3);
+        assert_eq!(
+            blocks_for(Algorithm::OneStage, Dtype::F32, 4, 2, 512, 16),
+            1
+        );
+        assert_eq!(
+            blocks_for(Algorithm::OneStage, Dtype::F32, 4 * 512 * 3, 2, 512, 16),
+            3
+        );
     }
 }

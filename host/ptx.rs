@@ -47,7 +47,10 @@ pub fn module_for(cc: (u32, u32)) -> Option<&'static PtxModule> {
     if let Some(m) = MODULES.iter().find(|m| m.compute_capability == cc) {
         return Some(m);
     }
-    MODULES.iter().filter(|m| m.compute_capability <= cc).max_by_key(|m| m.compute_capability)
+    MODULES
+        .iter()
+        .filter(|m| m.compute_capability <= cc)
+        .max_by_key(|m| m.compute_capability)
 }
 
 /// Architectures this build embeds, e.g. `["sm_120", "sm_90", "sm_80"]`.
@@ -57,7 +60,10 @@ pub fn built_archs() -> Vec<&'static str> {
 
 /// Build-time `ptxas -v` numbers for one entry on one architecture.
 pub fn kernel_stats(arch: &str, entry: &str) -> Option<&'static KernelStats> {
-    KERNEL_STATS.iter().find(|(a, k)| *a == arch && k.entry == entry).map(|(_, k)| k)
+    KERNEL_STATS
+        .iter()
+        .find(|(a, k)| *a == arch && k.entry == entry)
+        .map(|(_, k)| k)
 }
 
 /// One allreduce entry point.
@@ -91,7 +97,12 @@ impl Entry {
             for dtype in Dtype::ALL {
                 for world in 1..=MAX_RANKS {
                     for virtual_ranks in [false, true] {
-                        v.push(Entry { algorithm, dtype, world, virtual_ranks });
+                        v.push(Entry {
+                            algorithm,
+                            dtype,
+                            world,
+                            virtual_ranks,
+                        });
                     }
                 }
             }

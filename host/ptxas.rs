@@ -47,9 +47,14 @@ pub fn assemble(ptxas: &Path, ptx_file: &Path, arch: &str) -> Result<Vec<KernelR
         .arg(if cfg!(windows) { "NUL" } else { "/dev/null" })
         .output()
         .map_err(|e| format!("could not run {}: {e}", ptxas.display()))?;
-    let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    let text =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        return Err(format!("{} -arch={arch} failed on {}:\n{text}", ptxas.display(), ptx_file.display()));
+        return Err(format!(
+            "{} -arch={arch} failed on {}:\n{text}",
+            ptxas.display(),
+            ptx_file.display()
+        ));
     }
     Ok(parse_report(&text))
 }

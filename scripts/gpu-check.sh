@@ -22,14 +22,17 @@ for line in sys.stdin:
     except ValueError: continue
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["name"], m["executable"])'; }
-  cargo test --release --no-run --message-format=json 2>/dev/null | exes | while read -r name exe; do
+  cargo test --release --no-run --test gpu --message-format=json | exes | while read -r name exe; do
     cp "$exe" ".carry/bin/test-$name"
   done
-  cargo bench --no-run --message-format=json 2>/dev/null | exes | while read -r name exe; do
+  cargo bench --no-run --bench allreduce --message-format=json | exes | while read -r name exe; do
     cp "$exe" ".carry/bin/bench-$name"
   done
   cargo build --release --bin p2p-allreduce
   cp target/release/p2p-allreduce .carry/bin/
+  for need in test-gpu bench-allreduce p2p-allreduce; do
+    [ -x ".carry/bin/$need" ] || { echo "gpu-check: build did not produce $need" >&2; exit 1; }
+  done
   ls -la .carry/bin
   ;;
 run)

@@ -26,15 +26,24 @@ fn main() {
         ("smoke_sm_ptx_loads_and_runs", smoke),
         ("sweep_dtypes_worlds_lengths_algorithms", sweep),
         ("property_random_cases", property),
-        ("one_stage_equals_two_stage_and_length_independent", cross_algorithm),
+        (
+            "one_stage_equals_two_stage_and_length_independent",
+            cross_algorithm,
+        ),
         ("graph_replay_1000", graph_replay),
         ("chunked_large_message", chunked),
         ("peer_timeout_is_reported", timeout),
         ("user_errors_are_typed", user_errors),
         ("peer_group_real_rank_entries", peer_group),
     ];
-    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
-    let selected: Vec<&Case> = cases.iter().filter(|(n, _)| filter.is_empty() || filter.iter().any(|f| n.contains(f.as_str()))).collect();
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let selected: Vec<&Case> = cases
+        .iter()
+        .filter(|(n, _)| filter.is_empty() || filter.iter().any(|f| n.contains(f.as_str())))
+        .collect();
 
     let gpu = match open_gpu() {
         Ok(g) => g,
@@ -42,7 +51,10 @@ fn main() {
             for (name, _) in &selected {
                 println!("test {name} ... SKIPPED ({reason})");
             }
-            println!("\ngpu suite: 0 passed, 0 failed, {} skipped: {reason}", selected.len());
+            println!(
+                "\ngpu suite: 0 passed, 0 failed, {} skipped: {reason}",
+                selected.len()
+            );
             return;
         }
     };
@@ -57,7 +69,10 @@ fn main() {
             }
             Err(e) => {
                 failed += 1;
-                let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
                 println!("test {name} ... FAILED: {}", msg.unwrap_or_default());
             }
         }
@@ -70,7 +85,9 @@ fn main() {
 
 fn open_gpu() -> Result<Gpu, String> {
     if !driver::driver_present() {
-        return Err("no CUDA driver (libcuda not found); run scripts/gpu-check.sh on a GPU machine".into());
+        return Err(
+            "no CUDA driver (libcuda not found); run scripts/gpu-check.sh on a GPU machine".into(),
+        );
     }
     let n = driver::device_count().map_err(|e| e.to_string())?;
     if n == 0 {
@@ -157,7 +174,9 @@ fn upload<T: Bits>(g: &Gpu, bits: &[u32]) -> CudaSlice<T> {
 }
 
 fn poisoned<T: Bits>(g: &Gpu, len: usize) -> CudaSlice<T> {
-    g.stream.clone_htod(&vec![poison::<T>(); len.max(1)]).expect("alloc output")
+    g.stream
+        .clone_htod(&vec![poison::<T>(); len.max(1)])
+        .expect("alloc output")
 }
 
 fn download<T: Bits>(g: &Gpu, s: &CudaSlice<T>, len: usize) -> Vec<u32> {
@@ -175,40 +194,60 @@ fn run_typed<T: Bits>(g: &Gpu, group: &VirtualGroup, s: Spec) {
     // Captured graphs stay alive until the work they launched has been checked.
     let mut graphs = Vec::new();
     if s.registered {
-        let reg = group.alloc_registered::<T>(s.len.max(1)).expect("alloc_registered");
+        let reg = group
+            .alloc_registered::<T>(s.len.max(1))
+            .expect("alloc_registered");
         for (r, bits) in inputs.iter().enumerate() {
             if !bits.is_empty() {
-                reg.copy_from(r, &g.stream, &upload::<T>(g, bits)).expect("copy into registered");
+                reg.copy_from(r, &g.stream, &upload::<T>(g, bits))
+                    .expect("copy into registered");
             }
         }
         used = if s.graph {
-            let graph = capture(g, || group.allreduce_registered(&g.stream, &reg, s.len, &mut outputs, s.algo.into()));
+            let graph = capture(g, || {
+                group.allreduce_registered(&g.stream, &reg, s.len, &mut outputs, s.algo.into())
+            });
             graph.launch().expect("graph launch");
             graphs.push(graph);
             s.algo
         } else {
-            group.allreduce_registered(&g.stream, &reg, s.len, &mut outputs, s.algo.into()).expect("allreduce_registered")
+            group
+                .allreduce_registered(&g.stream, &reg, s.len, &mut outputs, s.algo.into())
+                .expect("allreduce_registered")
         };
-        group.check(&g.stream).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        group
+            .check(&g.stream)
+            .unwrap_or_else(|e| panic!("{s:?}: {e}"));
         drop(reg);
     } else {
         let ins: Vec<CudaSlice<T>> = inputs.iter().map(|b| upload::<T>(g, b)).collect();
         let in_refs: Vec<&CudaSlice<T>> = ins.iter().collect();
         if s.len == 0 {
             // Zero-length slices are not allocatable in cudarc; use the raw API.
-            let outs: Vec<u64> = outputs.iter_mut().map(|o| o.device_ptr_mut(&g.stream).0).collect();
+            let outs: Vec<u64> = outputs
+                .iter_mut()
+                .map(|o| o.device_ptr_mut(&g.stream).0)
+                .collect();
             let inp: Vec<u64> = ins.iter().map(|i| i.device_ptr(&g.stream).0).collect();
             // SAFETY: zero elements are read or written.
-            used = unsafe { group.allreduce_raw(&g.stream, s.dtype, 0, &inp, &outs, s.algo.into()) }.expect("allreduce_raw");
+            used =
+                unsafe { group.allreduce_raw(&g.stream, s.dtype, 0, &inp, &outs, s.algo.into()) }
+                    .expect("allreduce_raw");
         } else if s.graph {
-            let graph = capture(g, || group.allreduce(&g.stream, &in_refs, &mut outputs, s.algo.into()));
+            let graph = capture(g, || {
+                group.allreduce(&g.stream, &in_refs, &mut outputs, s.algo.into())
+            });
             graph.launch().expect("graph launch");
             graphs.push(graph);
             used = s.algo;
         } else {
-            used = group.allreduce(&g.stream, &in_refs, &mut outputs, s.algo.into()).expect("allreduce");
+            used = group
+                .allreduce(&g.stream, &in_refs, &mut outputs, s.algo.into())
+                .expect("allreduce");
         }
-        group.check(&g.stream).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        group
+            .check(&g.stream)
+            .unwrap_or_else(|e| panic!("{s:?}: {e}"));
     }
     assert_eq!(used, s.algo, "{s:?}: explicit algorithm not honoured");
     for (r, o) in outputs.iter().enumerate() {
@@ -220,18 +259,32 @@ fn run_typed<T: Bits>(g: &Gpu, group: &VirtualGroup, s: Spec) {
     }
 }
 
-fn capture(g: &Gpu, f: impl FnOnce() -> p2p_allreduce::Result<Algorithm>) -> cudarc::driver::CudaGraph {
+fn capture(
+    g: &Gpu,
+    f: impl FnOnce() -> p2p_allreduce::Result<Algorithm>,
+) -> cudarc::driver::CudaGraph {
     g.stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .expect("begin capture");
     let r = f();
-    let graph = g.stream.end_capture(sys::CUgraphInstantiate_flags(0)).expect("end capture");
+    let graph = g
+        .stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .expect("end capture");
     r.expect("allreduce during capture");
     graph.expect("captured graph is not empty")
 }
 
 fn group(g: &Gpu, world: usize) -> VirtualGroup {
-    VirtualGroup::new(&g.ctx, world, Config { max_bytes: 8 << 20, ..Config::default() }).expect("VirtualGroup::new")
+    VirtualGroup::new(
+        &g.ctx,
+        world,
+        Config {
+            max_bytes: 8 << 20,
+            ..Config::default()
+        },
+    )
+    .expect("VirtualGroup::new")
 }
 
 // ---------------------------------------------------------------------------
@@ -240,14 +293,22 @@ fn group(g: &Gpu, world: usize) -> VirtualGroup {
 fn smoke(g: &Gpu) {
     let info = driver::device_info(&g.ctx).expect("device info");
     let m = driver::module_for_device(&g.ctx).expect("module");
-    println!("  device: {} (cc {}.{}), {} SMs; PTX used: {}", info.name, info.compute_capability.0, info.compute_capability.1, info.multiprocessors, m.arch);
+    println!(
+        "  device: {} (cc {}.{}), {} SMs; PTX used: {}",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.multiprocessors,
+        m.arch
+    );
     let grp = group(g, 2);
     let a: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 + 1.0).collect();
     let b: Vec<f32> = (0..1000).map(|i| -(i as f32) * 0.25 + 3.0).collect();
     let ia = g.stream.clone_htod(&a).expect("htod");
     let ib = g.stream.clone_htod(&b).expect("htod");
     let mut outs = vec![poisoned::<f32>(g, 1000), poisoned::<f32>(g, 1000)];
-    grp.allreduce(&g.stream, &[&ia, &ib], &mut outs, AlgoChoice::OneStage).expect("allreduce");
+    grp.allreduce(&g.stream, &[&ia, &ib], &mut outs, AlgoChoice::OneStage)
+        .expect("allreduce");
     grp.check(&g.stream).expect("check");
     for o in &outs {
         let h = g.stream.clone_dtoh(o).expect("dtoh");
@@ -255,12 +316,17 @@ fn smoke(g: &Gpu) {
             assert_eq!(h[i].to_bits(), (a[i] + b[i]).to_bits(), "element {i}");
         }
     }
-    println!("  smoke: 2 virtual ranks x 1000 f32 summed correctly; out[3] = {}", g.stream.clone_dtoh(&outs[0]).expect("dtoh")[3]);
+    println!(
+        "  smoke: 2 virtual ranks x 1000 f32 summed correctly; out[3] = {}",
+        g.stream.clone_dtoh(&outs[0]).expect("dtoh")[3]
+    );
 }
 
 /// Lengths around every boundary: empty, sub-pack, pack multiples +-1, one
 /// block's worth, many blocks.
-const LENGTHS: &[usize] = &[0, 1, 3, 4, 7, 8, 9, 15, 17, 100, 511, 4096, 4099, 65_537, 262_147];
+const LENGTHS: &[usize] = &[
+    0, 1, 3, 4, 7, 8, 9, 15, 17, 100, 511, 4096, 4099, 65_537, 262_147,
+];
 
 fn sweep(g: &Gpu) {
     let mut n = 0;
@@ -270,7 +336,19 @@ fn sweep(g: &Gpu) {
             for algo in Algorithm::ALL {
                 for (k, &len) in LENGTHS.iter().enumerate() {
                     let seed = (world * 1000 + k) as u64;
-                    run_case(g, &grp, Spec { dtype, world, len, algo, registered: k % 2 == 1, graph: false, seed });
+                    run_case(
+                        g,
+                        &grp,
+                        Spec {
+                            dtype,
+                            world,
+                            len,
+                            algo,
+                            registered: k % 2 == 1,
+                            graph: false,
+                            seed,
+                        },
+                    );
                     n += 1;
                 }
             }
@@ -289,7 +367,10 @@ fn next(state: &mut u64) -> u64 {
 }
 
 fn property(g: &Gpu) {
-    let cases: usize = std::env::var("GPU_PROPERTY_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1200);
+    let cases: usize = std::env::var("GPU_PROPERTY_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1200);
     let groups: Vec<VirtualGroup> = (1..=8).map(|w| group(g, w)).collect();
     let mut st = 0x5EED_u64;
     for c in 0..cases {
@@ -304,7 +385,19 @@ fn property(g: &Gpu) {
         let algo = Algorithm::ALL[(next(&mut st) % 2) as usize];
         let registered = next(&mut st) % 2 == 0;
         let graph = len > 0 && next(&mut st) % 4 == 0;
-        run_case(g, &groups[world - 1], Spec { dtype, world, len, algo, registered, graph, seed: c as u64 + 77 });
+        run_case(
+            g,
+            &groups[world - 1],
+            Spec {
+                dtype,
+                world,
+                len,
+                algo,
+                registered,
+                graph,
+                seed: c as u64 + 77,
+            },
+        );
     }
     println!("  {cases} random property cases bit-exact (dtype x world 1..8 x len x algorithm x registered/staged x eager/graph)");
 }
@@ -340,16 +433,26 @@ fn cross_algorithm(g: &Gpu) {
     println!("  one-stage == two-stage, and prefixes agree, for worlds 2,3,5,8 x all dtypes");
 }
 
-fn reduce_raw<T: Bits>(g: &Gpu, grp: &VirtualGroup, inputs: &[Vec<u32>], algo: Algorithm) -> Vec<u32> {
+fn reduce_raw<T: Bits>(
+    g: &Gpu,
+    grp: &VirtualGroup,
+    inputs: &[Vec<u32>],
+    algo: Algorithm,
+) -> Vec<u32> {
     let len = inputs[0].len();
     let ins: Vec<CudaSlice<T>> = inputs.iter().map(|b| upload::<T>(g, b)).collect();
     let refs: Vec<&CudaSlice<T>> = ins.iter().collect();
     let mut outs: Vec<CudaSlice<T>> = (0..inputs.len()).map(|_| poisoned::<T>(g, len)).collect();
-    grp.allreduce(&g.stream, &refs, &mut outs, algo.into()).expect("allreduce");
+    grp.allreduce(&g.stream, &refs, &mut outs, algo.into())
+        .expect("allreduce");
     grp.check(&g.stream).expect("check");
     let first = download::<T>(g, &outs[0], len);
     for (r, o) in outs.iter().enumerate().skip(1) {
-        assert_eq!(download::<T>(g, o, len), first, "rank {r} differs from rank 0");
+        assert_eq!(
+            download::<T>(g, o, len),
+            first,
+            "rank {r} differs from rank 0"
+        );
     }
     first
 }
@@ -363,17 +466,24 @@ fn graph_replay(g: &Gpu) {
         let len = 10_007;
         let reg = grp.alloc_registered::<f32>(len).expect("registered");
         let mut outs: Vec<CudaSlice<f32>> = (0..world).map(|_| poisoned::<f32>(g, len)).collect();
-        let graph = capture(g, || grp.allreduce_registered(&g.stream, &reg, len, &mut outs, algo.into()));
+        let graph = capture(g, || {
+            grp.allreduce_registered(&g.stream, &reg, len, &mut outs, algo.into())
+        });
         for it in 0..1000u64 {
-            let inputs = values::adversarial_inputs(Dtype::F32, world, len, 5000 + it, it % 10 == 0);
+            let inputs =
+                values::adversarial_inputs(Dtype::F32, world, len, 5000 + it, it % 10 == 0);
             for (r, bits) in inputs.iter().enumerate() {
-                reg.copy_from(r, &g.stream, &upload::<f32>(g, bits)).expect("copy");
+                reg.copy_from(r, &g.stream, &upload::<f32>(g, bits))
+                    .expect("copy");
             }
             for o in outs.iter_mut() {
-                g.stream.memcpy_htod(&vec![poison::<f32>(); len], o).expect("poison");
+                g.stream
+                    .memcpy_htod(&vec![poison::<f32>(); len], o)
+                    .expect("poison");
             }
             graph.launch().expect("replay");
-            grp.check(&g.stream).unwrap_or_else(|e| panic!("{algo:?} replay {it}: {e}"));
+            grp.check(&g.stream)
+                .unwrap_or_else(|e| panic!("{algo:?} replay {it}: {e}"));
             let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
             let want = reference::allreduce_bits(Dtype::F32, &refs);
             for (r, o) in outs.iter().enumerate() {
@@ -390,24 +500,59 @@ fn graph_replay(g: &Gpu) {
 fn chunked(g: &Gpu) {
     // 64 KiB buffers, messages of several MiB: many chunks, odd tail.
     for world in [2usize, 3, 8] {
-        let grp = VirtualGroup::new(&g.ctx, world, Config { max_bytes: 64 << 10, ..Config::default() }).expect("group");
+        let grp = VirtualGroup::new(
+            &g.ctx,
+            world,
+            Config {
+                max_bytes: 64 << 10,
+                ..Config::default()
+            },
+        )
+        .expect("group");
         for dtype in Dtype::ALL {
             for algo in Algorithm::ALL {
-                run_case(g, &grp, Spec { dtype, world, len: 1_000_003, algo, registered: false, graph: false, seed: 3 });
+                run_case(
+                    g,
+                    &grp,
+                    Spec {
+                        dtype,
+                        world,
+                        len: 1_000_003,
+                        algo,
+                        registered: false,
+                        graph: false,
+                        seed: 3,
+                    },
+                );
             }
         }
         // Registered inputs larger than scratch fall back to one-stage.
         let reg = grp.alloc_registered::<f32>(300_001).expect("registered");
-        let mut outs: Vec<CudaSlice<f32>> = (0..world).map(|_| poisoned::<f32>(g, 300_001)).collect();
-        let used = grp.allreduce_registered(&g.stream, &reg, 300_001, &mut outs, AlgoChoice::TwoStage).expect("registered large");
+        let mut outs: Vec<CudaSlice<f32>> =
+            (0..world).map(|_| poisoned::<f32>(g, 300_001)).collect();
+        let used = grp
+            .allreduce_registered(&g.stream, &reg, 300_001, &mut outs, AlgoChoice::TwoStage)
+            .expect("registered large");
         assert_eq!(used, Algorithm::OneStage);
         grp.check(&g.stream).expect("check");
     }
-    let small = VirtualGroup::new(&g.ctx, 2, Config { max_bytes: 4096, chunking: false, ..Config::default() }).expect("group");
+    let small = VirtualGroup::new(
+        &g.ctx,
+        2,
+        Config {
+            max_bytes: 4096,
+            chunking: false,
+            ..Config::default()
+        },
+    )
+    .expect("group");
     let a = g.stream.clone_htod(&vec![1.0f32; 5000]).expect("htod");
     let mut outs = vec![poisoned::<f32>(g, 5000), poisoned::<f32>(g, 5000)];
     match small.allreduce(&g.stream, &[&a, &a], &mut outs, AlgoChoice::Auto) {
-        Err(Error::MessageTooLarge { bytes: 20000, capacity: 4096 }) => {}
+        Err(Error::MessageTooLarge {
+            bytes: 20000,
+            capacity: 4096,
+        }) => {}
         other => panic!("expected MessageTooLarge, got {other:?}"),
     }
     println!("  chunked messages bit-exact; chunking off refuses with MessageTooLarge");
@@ -415,14 +560,31 @@ fn chunked(g: &Gpu) {
 
 fn timeout(g: &Gpu) {
     let world = 4;
-    let grp = VirtualGroup::new(&g.ctx, world, Config { timeout: Duration::from_millis(50), ..Config::default() }).expect("group");
+    let grp = VirtualGroup::new(
+        &g.ctx,
+        world,
+        Config {
+            timeout: Duration::from_millis(50),
+            ..Config::default()
+        },
+    )
+    .expect("group");
     let t0 = Instant::now();
-    grp.launch_with_absent_ranks(&g.stream, 1 << 2, 100_000).expect("launch");
+    grp.launch_with_absent_ranks(&g.stream, 1 << 2, 100_000)
+        .expect("launch");
     let waited = t0.elapsed();
     match grp.check(&g.stream) {
-        Err(Error::PeerTimeout { peer: 2, barrier: BarrierKind::Start, rank, .. }) => {
+        Err(Error::PeerTimeout {
+            peer: 2,
+            barrier: BarrierKind::Start,
+            rank,
+            ..
+        }) => {
             assert_ne!(rank, 2, "the absent rank cannot report");
-            println!("  rank {rank} reported peer 2 missing after {:.1} ms (timeout 50 ms)", waited.as_secs_f64() * 1e3);
+            println!(
+                "  rank {rank} reported peer 2 missing after {:.1} ms (timeout 50 ms)",
+                waited.as_secs_f64() * 1e3
+            );
         }
         other => panic!("expected PeerTimeout naming peer 2, got {other:?}"),
     }
@@ -431,40 +593,132 @@ fn timeout(g: &Gpu) {
     let a = g.stream.clone_htod(&vec![1.0f32; 64]).expect("htod");
     let mut outs: Vec<CudaSlice<f32>> = (0..world).map(|_| poisoned::<f32>(g, 64)).collect();
     let refs = vec![&a; world];
-    assert!(matches!(grp.allreduce(&g.stream, &refs, &mut outs, AlgoChoice::Auto), Err(Error::Poisoned(_))));
+    assert!(matches!(
+        grp.allreduce(&g.stream, &refs, &mut outs, AlgoChoice::Auto),
+        Err(Error::Poisoned(_))
+    ));
     grp.reset().expect("reset");
-    grp.allreduce(&g.stream, &refs, &mut outs, AlgoChoice::Auto).expect("after reset");
+    grp.allreduce(&g.stream, &refs, &mut outs, AlgoChoice::Auto)
+        .expect("after reset");
     grp.check(&g.stream).expect("check after reset");
-    assert_eq!(g.stream.clone_dtoh(&outs[1]).expect("dtoh"), vec![4.0f32; 64]);
+    assert_eq!(
+        g.stream.clone_dtoh(&outs[1]).expect("dtoh"),
+        vec![4.0f32; 64]
+    );
     // Timeout 0 means wait forever and must not fire on a healthy collective.
-    let forever = VirtualGroup::new(&g.ctx, 2, Config { timeout: Duration::ZERO, ..Config::default() }).expect("group");
-    run_case(g, &forever, Spec { dtype: Dtype::Bf16, world: 2, len: 999, algo: Algorithm::TwoStage, registered: false, graph: false, seed: 1 });
+    let forever = VirtualGroup::new(
+        &g.ctx,
+        2,
+        Config {
+            timeout: Duration::ZERO,
+            ..Config::default()
+        },
+    )
+    .expect("group");
+    run_case(
+        g,
+        &forever,
+        Spec {
+            dtype: Dtype::Bf16,
+            world: 2,
+            len: 999,
+            algo: Algorithm::TwoStage,
+            registered: false,
+            graph: false,
+            seed: 1,
+        },
+    );
 }
 
 fn user_errors(g: &Gpu) {
-    assert!(matches!(VirtualGroup::new(&g.ctx, 0, Config::default()), Err(Error::WorldSize(0))));
-    assert!(matches!(VirtualGroup::new(&g.ctx, 9, Config::default()), Err(Error::WorldSize(9))));
-    assert!(matches!(VirtualGroup::new(&g.ctx, 2, Config { max_blocks: 33, ..Config::default() }), Err(Error::Config(_))));
-    assert!(matches!(VirtualGroup::new(&g.ctx, 2, Config { threads_per_block: 100, ..Config::default() }), Err(Error::Config(_))));
+    assert!(matches!(
+        VirtualGroup::new(&g.ctx, 0, Config::default()),
+        Err(Error::WorldSize(0))
+    ));
+    assert!(matches!(
+        VirtualGroup::new(&g.ctx, 9, Config::default()),
+        Err(Error::WorldSize(9))
+    ));
+    assert!(matches!(
+        VirtualGroup::new(
+            &g.ctx,
+            2,
+            Config {
+                max_blocks: 33,
+                ..Config::default()
+            }
+        ),
+        Err(Error::Config(_))
+    ));
+    assert!(matches!(
+        VirtualGroup::new(
+            &g.ctx,
+            2,
+            Config {
+                threads_per_block: 100,
+                ..Config::default()
+            }
+        ),
+        Err(Error::Config(_))
+    ));
     let grp = group(g, 2);
     let a = g.stream.clone_htod(&vec![1.0f32; 100]).expect("htod");
     let short = g.stream.clone_htod(&vec![1.0f32; 99]).expect("htod");
     let mut outs = vec![poisoned::<f32>(g, 100), poisoned::<f32>(g, 100)];
-    assert!(matches!(grp.allreduce(&g.stream, &[&a], &mut outs, AlgoChoice::Auto), Err(Error::RankCount { what: "inputs", got: 1, world: 2 })));
-    assert!(matches!(grp.allreduce(&g.stream, &[&a, &short], &mut outs, AlgoChoice::Auto), Err(Error::RankMismatch { rank: 1, .. })));
+    assert!(matches!(
+        grp.allreduce(&g.stream, &[&a], &mut outs, AlgoChoice::Auto),
+        Err(Error::RankCount {
+            what: "inputs",
+            got: 1,
+            world: 2
+        })
+    ));
+    assert!(matches!(
+        grp.allreduce(&g.stream, &[&a, &short], &mut outs, AlgoChoice::Auto),
+        Err(Error::RankMismatch { rank: 1, .. })
+    ));
     let mut small = vec![poisoned::<f32>(g, 100), poisoned::<f32>(g, 50)];
-    assert!(matches!(grp.allreduce(&g.stream, &[&a, &a], &mut small, AlgoChoice::Auto), Err(Error::BufferTooSmall { what: "output", rank: 1, .. })));
+    assert!(matches!(
+        grp.allreduce(&g.stream, &[&a, &a], &mut small, AlgoChoice::Auto),
+        Err(Error::BufferTooSmall {
+            what: "output",
+            rank: 1,
+            ..
+        })
+    ));
     // A misaligned output pointer (4 bytes into an allocation).
     let base = poisoned::<f32>(g, 101);
     let p = base.device_ptr(&g.stream).0;
     let inp = a.device_ptr(&g.stream).0;
     // SAFETY: the call is refused before any device work is issued.
-    let r = unsafe { grp.allreduce_raw(&g.stream, Dtype::F32, 100, &[inp, inp], &[p + 4, p], AlgoChoice::Auto) };
-    assert!(matches!(r, Err(Error::Misaligned { what: "output", rank: 0, .. })), "{r:?}");
+    let r = unsafe {
+        grp.allreduce_raw(
+            &g.stream,
+            Dtype::F32,
+            100,
+            &[inp, inp],
+            &[p + 4, p],
+            AlgoChoice::Auto,
+        )
+    };
+    assert!(
+        matches!(
+            r,
+            Err(Error::Misaligned {
+                what: "output",
+                rank: 0,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     let reg = grp.alloc_registered::<f32>(10).expect("registered");
     assert!(matches!(
         grp.allreduce_registered(&g.stream, &reg, 11, &mut outs, AlgoChoice::Auto),
-        Err(Error::BufferTooSmall { what: "registered buffer", .. })
+        Err(Error::BufferTooSmall {
+            what: "registered buffer",
+            ..
+        })
     ));
     // Messages are displayed with advice; print one of each kind we provoked.
     println!("  e.g.: {}", Error::WorldSize(9));
@@ -475,8 +729,18 @@ fn peer_group(g: &Gpu) {
     // GPU the ranks share the device (link SameDevice).
     for world in [1usize, 2, 3] {
         let ctxs = vec![g.ctx.clone(); world];
-        let grp = PeerGroup::new(&ctxs, Config { max_bytes: 1 << 20, max_blocks: 4, ..Config::default() }).expect("PeerGroup");
-        let streams: Vec<Arc<CudaStream>> = (0..world).map(|_| g.ctx.new_stream().expect("stream")).collect();
+        let grp = PeerGroup::new(
+            &ctxs,
+            Config {
+                max_bytes: 1 << 20,
+                max_blocks: 4,
+                ..Config::default()
+            },
+        )
+        .expect("PeerGroup");
+        let streams: Vec<Arc<CudaStream>> = (0..world)
+            .map(|_| g.ctx.new_stream().expect("stream"))
+            .collect();
         for algo in Algorithm::ALL {
             for len in [0usize, 5, 40_003, 600_001] {
                 if len == 0 {
@@ -488,10 +752,13 @@ fn peer_group(g: &Gpu) {
                 let ins: Vec<CudaSlice<half::bf16>> = inputs.iter().map(|b| upload(g, b)).collect();
                 g.stream.synchronize().expect("sync uploads");
                 let in_refs: Vec<&CudaSlice<half::bf16>> = ins.iter().collect();
-                let mut outs: Vec<CudaSlice<half::bf16>> = (0..world).map(|_| poisoned(g, len)).collect();
+                let mut outs: Vec<CudaSlice<half::bf16>> =
+                    (0..world).map(|_| poisoned(g, len)).collect();
                 g.stream.synchronize().expect("sync poison");
-                grp.allreduce(&streams, &in_refs, &mut outs, algo.into()).expect("peer allreduce");
-                grp.check(&streams).unwrap_or_else(|e| panic!("world {world} {algo:?} len {len}: {e}"));
+                grp.allreduce(&streams, &in_refs, &mut outs, algo.into())
+                    .expect("peer allreduce");
+                grp.check(&streams)
+                    .unwrap_or_else(|e| panic!("world {world} {algo:?} len {len}: {e}"));
                 for (r, o) in outs.iter().enumerate() {
                     let got = download(g, o, len);
                     if let Some((i, a, b)) = reference::first_mismatch(Dtype::Bf16, &got, &want) {

@@ -18,7 +18,11 @@ fn every_default_arch_is_built() {
 #[test]
 fn target_matches_arch() {
     for m in MODULES {
-        let target = m.ptx.lines().find(|l| l.starts_with(".target")).expect(".target line");
+        let target = m
+            .ptx
+            .lines()
+            .find(|l| l.starts_with(".target"))
+            .expect(".target line");
         assert_eq!(target.trim(), format!(".target {}", m.arch), "{}", m.arch);
         let (major, minor) = m.compute_capability;
         assert_eq!(m.arch, format!("sm_{major}{minor}"));
@@ -33,10 +37,17 @@ fn every_entry_is_present_with_one_launch_args_parameter() {
         for e in entries {
             let name = e.name();
             let decl = format!(".entry {name}(");
-            let at = m.ptx.find(&decl).unwrap_or_else(|| panic!("{}: entry {name} missing", m.arch));
+            let at = m
+                .ptx
+                .find(&decl)
+                .unwrap_or_else(|| panic!("{}: entry {name} missing", m.arch));
             let head = &m.ptx[at..at + 200.min(m.ptx.len() - at)];
             let param = format!(".param .align 8 .b8 {name}_param_0[{PARAM_BYTES}]");
-            assert!(head.contains(&param), "{}: {name} does not take one {PARAM_BYTES}-byte parameter:\n{head}", m.arch);
+            assert!(
+                head.contains(&param),
+                "{}: {name} does not take one {PARAM_BYTES}-byte parameter:\n{head}",
+                m.arch
+            );
         }
         let count = m.ptx.matches(".entry ").count();
         assert_eq!(count, 96, "{}: unexpected extra entries", m.arch);
@@ -47,7 +58,11 @@ fn every_entry_is_present_with_one_launch_args_parameter() {
 fn no_unresolved_functions() {
     for m in MODULES {
         for line in m.ptx.lines() {
-            assert!(!line.contains(".extern .func"), "{}: unresolved function (a panic path or core call survived): {line}", m.arch);
+            assert!(
+                !line.contains(".extern .func"),
+                "{}: unresolved function (a panic path or core call survived): {line}",
+                m.arch
+            );
         }
     }
 }
@@ -55,10 +70,26 @@ fn no_unresolved_functions() {
 #[test]
 fn flags_use_system_scope_acquire_release() {
     for m in MODULES {
-        assert!(m.ptx.contains("st.release.sys."), "{}: no st.release.sys", m.arch);
-        assert!(m.ptx.contains("ld.acquire.sys."), "{}: no ld.acquire.sys", m.arch);
-        assert!(m.ptx.contains("ld.global.v4.u32") && m.ptx.contains("st.global.v4.u32"), "{}: no 16-byte accesses", m.arch);
-        assert!(!m.ptx.contains("atom.global.add") && !m.ptx.contains("atom.add"), "{}: RMW atomics would not work over PCIe", m.arch);
+        assert!(
+            m.ptx.contains("st.release.sys."),
+            "{}: no st.release.sys",
+            m.arch
+        );
+        assert!(
+            m.ptx.contains("ld.acquire.sys."),
+            "{}: no ld.acquire.sys",
+            m.arch
+        );
+        assert!(
+            m.ptx.contains("ld.global.v4.u32") && m.ptx.contains("st.global.v4.u32"),
+            "{}: no 16-byte accesses",
+            m.arch
+        );
+        assert!(
+            !m.ptx.contains("atom.global.add") && !m.ptx.contains("atom.add"),
+            "{}: RMW atomics would not work over PCIe",
+            m.arch
+        );
     }
 }
 
@@ -75,9 +106,20 @@ fn ptxas_assembles_every_arch_without_spills() {
         let file = dir.join(format!("{}.ptx", m.arch));
         std::fs::write(&file, m.ptx).expect("write PTX");
         let report = ptxas::assemble(&ptxas_bin, &file, m.arch).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(report.len(), 96, "{}: ptxas reported {} entries", m.arch, report.len());
+        assert_eq!(
+            report.len(),
+            96,
+            "{}: ptxas reported {} entries",
+            m.arch,
+            report.len()
+        );
         let max_regs = report.iter().map(|k| k.registers).max().unwrap_or(0);
-        println!("{}: {} entries, max {} registers", m.arch, report.len(), max_regs);
+        println!(
+            "{}: {} entries, max {} registers",
+            m.arch,
+            report.len(),
+            max_regs
+        );
         for k in &report {
             assert_eq!(
                 (k.spill_store_bytes, k.spill_load_bytes, k.stack_frame_bytes),

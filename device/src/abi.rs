@@ -27,7 +27,11 @@ pub enum BarrierKind {
     Start = 1,
     /// Two-stage only: between reduce-scatter and all-gather.
     Mid = 2,
-    /// After every read of peer memory, before anyone may reuse its buffers.
+    /// One-stage only: after every read of peer inputs, before any rank may
+    /// return and let its input be overwritten. Two-stage needs none: peers
+    /// read inputs only before `Mid`, and scratch is written only after the
+    /// next collective's `Start`, which a peer reaches only once its whole
+    /// previous kernel (every read of scratch) has completed.
     End = 3,
 }
 

@@ -131,18 +131,23 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
     clock: &mut C,
     order: Order,
 ) -> Wait {
-    let load = |f: &F| match order {
-        Order::Publish => f.load_acquire(),
-        Order::ArrivalOnly => f.load_relaxed(),
+    // Polls are relaxed; with `Publish` the value seen is then read once more
+    // with acquire, which synchronizes with the peer's release (the slot
+    // cannot move on before this rank arrives at its next barrier).
+    let arrived = |f: &F| -> Wait {
+        if order == Order::Publish {
+            let _ = f.load_acquire();
+        }
+        Wait::Arrived
     };
-    if load(own_slot) == epoch {
-        return Wait::Arrived;
+    if own_slot.load_relaxed() == epoch {
+        return arrived(own_slot);
     }
     let t0 = if timeout_ns != 0 { clock.now_ns() } else { 0 };
     let mut polls: u32 = 0;
     loop {
-        if load(own_slot) == epoch {
-            return Wait::Arrived;
+        if own_slot.load_relaxed() == epoch {
+            return arrived(own_slot);
         }
         clock.relax();
         polls = polls.wrapping_add(1);
@@ -150,8 +155,8 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
             let now = clock.now_ns();
             if now.wrapping_sub(t0) > timeout_ns {
                 // One last look, so an arrival racing with the deadline wins.
-                return if load(own_slot) == epoch {
-                    Wait::Arrived
+                return if own_slot.load_relaxed() == epoch {
+                    arrived(own_slot)
                 } else {
                     Wait::TimedOut
                 };

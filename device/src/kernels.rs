@@ -9,7 +9,9 @@
 //! `blockDim.x >= N`, the same grid on every rank of a collective, and for
 //! `_virtual` entries `gridDim.y == N` with all blocks co-resident.
 
-use crate::abi::{error_code, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal, MAX_BLOCKS, MAX_RANKS};
+use crate::abi::{
+    error_code, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal, MAX_BLOCKS, MAX_RANKS,
+};
 use crate::barrier::{arrive_ordered, next_epoch, wait_ordered, Order, Wait};
 use crate::cuda::*;
 use crate::numeric::{Bf16, Element, Pack, F16, F32};
@@ -22,12 +24,21 @@ use core::sync::atomic::AtomicU32;
 unsafe fn flag<'a>(sig: u64, kind: BarrierKind, block: u32, from: u32) -> &'a AtomicU32 {
     // SAFETY: `sig` is a Signal of this collective (host contract) and the
     // offset stays inside it because block < MAX_BLOCKS and from < N.
-    &*((sig as usize + Signal::flag_offset(kind, block as usize, from as usize)) as *const AtomicU32)
+    &*((sig as usize + Signal::flag_offset(kind, block as usize, from as usize))
+        as *const AtomicU32)
 }
 
 /// Claims this rank's error record and fills it. Only own memory is touched.
 #[inline(always)]
-unsafe fn record_error(own_sig: u64, code: u32, rank: u32, block: u32, peer: u32, epoch: u32, barrier: u32) {
+unsafe fn record_error(
+    own_sig: u64,
+    code: u32,
+    rank: u32,
+    block: u32,
+    peer: u32,
+    epoch: u32,
+    barrier: u32,
+) {
     let rec = (own_sig as usize + Signal::ERROR_OFFSET) as *mut ErrorRecord;
     if atomic_cas_u32(core::ptr::addr_of_mut!((*rec).code), 0, code) == 0 {
         write_volatile(core::ptr::addr_of_mut!((*rec).rank), rank);
@@ -83,10 +94,22 @@ unsafe fn block_barrier<const N: usize>(
     let tid = thread_idx_x();
     let mut failed = false;
     if (tid as usize) < N {
-        arrive_ordered(flag(pick::<N>(signals, tid), kind, block, rank), epoch, order);
+        arrive_ordered(
+            flag(pick::<N>(signals, tid), kind, block, rank),
+            epoch,
+            order,
+        );
         let own = flag(own_sig, kind, block, tid);
         if wait_ordered(own, epoch, timeout_ns, &mut GlobalTimer, order) == Wait::TimedOut {
-            record_error(own_sig, error_code::PEER_TIMEOUT, rank, block, tid, epoch, kind as u32);
+            record_error(
+                own_sig,
+                error_code::PEER_TIMEOUT,
+                rank,
+                block,
+                tid,
+                epoch,
+                kind as u32,
+            );
             failed = true;
         }
     }
@@ -120,7 +143,13 @@ unsafe fn st_elem<E: Element>(base: u64, idx: u64, bits: u32) {
 /// Reduces the `tail` elements after the last whole pack, one per thread of
 /// the whole grid, in rank order, into `output`.
 #[inline(always)]
-unsafe fn reduce_tail<E: Element, const N: usize>(t: &RankTable, output: u64, first: u64, tail: u64, g: u64) {
+unsafe fn reduce_tail<E: Element, const N: usize>(
+    t: &RankTable,
+    output: u64,
+    first: u64,
+    tail: u64,
+    g: u64,
+) {
     if g < tail {
         let idx = first + g;
         let mut acc = E::to_f32(ld_elem::<E>(t.inputs[0], idx));
@@ -191,20 +220,26 @@ unsafe fn reduce_range<E: Element, const N: usize>(
     }
 }
 
-/// Copies packs `first + g`, `first + g + stride`, ... below `end`, two per
-/// iteration.
+/// Copies packs `first + g`, `first + g + stride`, ... below `end`, four
+/// per iteration: a copy has no arithmetic to hide latency behind, so it
+/// needs more loads in flight than the reductions.
 #[inline(always)]
 unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: u64, stride: u64) {
     let mut i = first + g;
-    while i + stride < end {
+    while i + 3 * stride < end {
         let a = ld_pack(src.add(i as usize));
         let b = ld_pack(src.add((i + stride) as usize));
+        let c = ld_pack(src.add((i + 2 * stride) as usize));
+        let d = ld_pack(src.add((i + 3 * stride) as usize));
         st_pack(dst.add(i as usize), a);
         st_pack(dst.add((i + stride) as usize), b);
-        i += 2 * stride;
+        st_pack(dst.add((i + 2 * stride) as usize), c);
+        st_pack(dst.add((i + 3 * stride) as usize), d);
+        i += 4 * stride;
     }
-    if i < end {
+    while i < end {
         st_pack(dst.add(i as usize), ld_pack(src.add(i as usize)));
+        i += stride;
     }
 }
 
@@ -239,7 +274,15 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
     let epoch = next_epoch(read_volatile(epoch_ptr));
 
-    if !block_barrier::<N>(&a.signals, own_sig, rank, block, BarrierKind::Start, epoch, a.timeout_ns) {
+    if !block_barrier::<N>(
+        &a.signals,
+        own_sig,
+        rank,
+        block,
+        BarrierKind::Start,
+        epoch,
+        a.timeout_ns,
+    ) {
         return;
     }
     if tid == 0 {
@@ -255,6 +298,17 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     if !TWO_STAGE {
         reduce_range::<E, N>(&inputs, out, core::ptr::null_mut(), 0, s.packs, g, stride);
         reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g);
+        // No rank may return (and let its input be overwritten) while a peer
+        // still reads it.
+        block_barrier::<N>(
+            &a.signals,
+            own_sig,
+            rank,
+            block,
+            BarrierKind::End,
+            epoch,
+            a.timeout_ns,
+        );
     } else {
         // Stage 1 (reduce-scatter): own partition into own scratch, and
         // straight into own output, which saves re-reading it in stage 2.
@@ -265,7 +319,15 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
         // Block b of rank p wrote exactly the packs block b of this rank
         // reads below (same grid, same decomposition), so a per-block
         // barrier is enough.
-        if !block_barrier::<N>(&a.signals, own_sig, rank, block, BarrierKind::Mid, epoch, a.timeout_ns) {
+        if !block_barrier::<N>(
+            &a.signals,
+            own_sig,
+            rank,
+            block,
+            BarrierKind::Mid,
+            epoch,
+            a.timeout_ns,
+        ) {
             return;
         }
         // Stage 2 (all-gather), starting at the next rank so that the ranks
@@ -277,9 +339,13 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
             copy_range(t.scratch[p] as *const Pack, out, ps, pe, g, stride);
             k += 1;
         }
+        // No end barrier. Every peer finished reading this rank's input
+        // before it arrived at Mid. This rank's scratch is next written in
+        // stage 1 of the next collective, after its Start barrier, and a peer
+        // arrives there only when its kernel for this collective (all of its
+        // blocks, all of their stage-2 reads) has completed: kernels on one
+        // stream run in order.
     }
-    // No rank may reuse its input or scratch while a peer still reads them.
-    block_barrier::<N>(&a.signals, own_sig, rank, block, BarrierKind::End, epoch, a.timeout_ns);
 }
 
 macro_rules! entries {

@@ -43,7 +43,12 @@ impl Element for F32 {
     }
     #[inline(always)]
     fn pack(a: &[f32; 8]) -> Pack {
-        [a[0].to_bits(), a[1].to_bits(), a[2].to_bits(), a[3].to_bits()]
+        [
+            a[0].to_bits(),
+            a[1].to_bits(),
+            a[2].to_bits(),
+            a[3].to_bits(),
+        ]
     }
     #[inline(always)]
     fn to_f32(bits: u32) -> f32 {
@@ -193,7 +198,10 @@ pub fn f16x2_from_f32(lo: f32, hi: f32) -> u32 {
 #[cfg(not(target_arch = "nvptx64"))]
 #[inline]
 pub fn f16x2_to_f32(w: u32) -> (f32, f32) {
-    (f32_from_f16_bits(w as u16), f32_from_f16_bits((w >> 16) as u16))
+    (
+        f32_from_f16_bits(w as u16),
+        f32_from_f16_bits((w >> 16) as u16),
+    )
 }
 
 /// f32 -> bf16, round to nearest even; NaN stays NaN (quieted).

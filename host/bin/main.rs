@@ -5,8 +5,17 @@ fn main() {
     println!("p2p-allreduce {}", env!("CARGO_PKG_VERSION"));
     println!("kernels compiled by: {}", ptx::KERNEL_TOOLCHAIN);
     for m in ptx::MODULES {
-        let regs: Vec<u32> = ptx::KERNEL_STATS.iter().filter(|(a, _)| *a == m.arch).map(|(_, k)| k.registers).collect();
-        println!("  {}: {} bytes of PTX, max registers {:?}", m.arch, m.ptx.len(), regs.iter().max());
+        let regs: Vec<u32> = ptx::KERNEL_STATS
+            .iter()
+            .filter(|(a, _)| *a == m.arch)
+            .map(|(_, k)| k.registers)
+            .collect();
+        println!(
+            "  {}: {} bytes of PTX, max registers {:?}",
+            m.arch,
+            m.ptx.len(),
+            regs.iter().max()
+        );
     }
     if !driver::driver_present() {
         println!("no CUDA driver found (libcuda not loadable): GPU features unavailable");
@@ -15,7 +24,9 @@ fn main() {
     match driver::device_count() {
         Ok(n) => {
             for i in 0..n {
-                match driver::open_device(i).and_then(|c| Ok((driver::device_info(&c)?, driver::module_for_device(&c)))) {
+                match driver::open_device(i)
+                    .and_then(|c| Ok((driver::device_info(&c)?, driver::module_for_device(&c))))
+                {
                     Ok((info, m)) => println!(
                         "GPU {i}: {} cc {}.{} {} SMs -> PTX {}",
                         info.name,
