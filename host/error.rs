@@ -111,6 +111,25 @@ pub enum Error {
     #[error("in-place allreduce (output == input) of rank {rank} needs the staged path: peers read registered inputs while outputs are written")]
     InPlaceRegistered { rank: usize },
 
+    #[error("rendezvous failed: {0}")]
+    Rendezvous(String),
+
+    #[error(
+        "ranks {missing:?} did not join the exchange within {waited:?}: start every rank with the same world \
+         size and rendezvous, or raise the timeout"
+    )]
+    RendezvousTimeout {
+        missing: Vec<usize>,
+        waited: std::time::Duration,
+    },
+
+    #[error("rank {rank} disagrees with rank {other} about the group: {what}; start every rank with the same settings")]
+    GroupMismatch {
+        rank: usize,
+        other: usize,
+        what: String,
+    },
+
     #[error("invalid configuration: {0}")]
     Config(String),
 

@@ -41,14 +41,14 @@ impl DeviceElement for half::bf16 {
 }
 
 /// One rank's group-owned memory.
-struct RankBuffers {
-    staging: DeviceAlloc,
-    scratch: DeviceAlloc,
-    signal: DeviceAlloc,
+pub(crate) struct RankBuffers {
+    pub(crate) staging: DeviceAlloc,
+    pub(crate) scratch: DeviceAlloc,
+    pub(crate) signal: DeviceAlloc,
 }
 
 impl RankBuffers {
-    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         Ok(RankBuffers {
             staging: DeviceAlloc::zeroed(ctx, bytes)?,
             scratch: DeviceAlloc::zeroed(ctx, bytes)?,
@@ -57,21 +57,21 @@ impl RankBuffers {
     }
 }
 
-fn check_world(world: usize) -> Result<()> {
+pub(crate) fn check_world(world: usize) -> Result<()> {
     if world == 0 || world > MAX_RANKS {
         return Err(Error::WorldSize(world));
     }
     Ok(())
 }
 
-fn check_count(what: &'static str, got: usize, world: usize) -> Result<()> {
+pub(crate) fn check_count(what: &'static str, got: usize, world: usize) -> Result<()> {
     if got != world {
         return Err(Error::RankCount { what, got, world });
     }
     Ok(())
 }
 
-fn check_aligned(what: &'static str, rank: usize, ptr: u64) -> Result<()> {
+pub(crate) fn check_aligned(what: &'static str, rank: usize, ptr: u64) -> Result<()> {
     if ptr % BUFFER_ALIGN as u64 != 0 {
         return Err(Error::Misaligned {
             what,
@@ -102,8 +102,8 @@ fn signal_ptrs(bufs: &[&RankBuffers]) -> [u64; MAX_RANKS] {
 }
 
 /// Reads every rank's error record and turns the first one into an error.
-fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
-    for (rank, sig) in signals.iter().enumerate() {
+pub(crate) fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
+    for (position, sig) in signals.iter().enumerate() {
         let mut words = [0u32; Signal::ERROR_OFFSET / 4 + 8];
         sig.read(&mut words)?;
         let w = &words[Signal::ERROR_OFFSET / 4..];
@@ -120,7 +120,7 @@ fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
             error_code::NONE => {}
             error_code::PEER_TIMEOUT => {
                 return Err(Error::PeerTimeout {
-                    rank,
+                    rank: rec.rank as usize,
                     block: rec.block,
                     peer: rec.peer,
                     barrier: BarrierKind::from_u32(rec.barrier).unwrap_or(BarrierKind::Start),
@@ -129,11 +129,16 @@ fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
             }
             error_code::BAD_LAUNCH => {
                 return Err(Error::BadLaunch {
-                    rank,
+                    rank: rec.rank as usize,
                     block: rec.block,
                 })
             }
-            code => return Err(Error::UnknownKernelError { rank, code }),
+            code => {
+                return Err(Error::UnknownKernelError {
+                    rank: position,
+                    code,
+                })
+            }
         }
     }
     Ok(())
@@ -144,7 +149,7 @@ fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
 /// # Safety
 /// Every pointer in `args` (and in the table it points to) must be valid
 /// device memory of the sizes the kernel will touch for `args.count`.
-unsafe fn launch(
+pub(crate) unsafe fn launch(
     kernels: &Kernels,
     stream: &CudaStream,
     entry: Entry,
@@ -171,29 +176,29 @@ unsafe fn launch(
 }
 
 /// Shared state checks of both group kinds.
-struct Health(Mutex<Option<String>>);
+pub(crate) struct Health(Mutex<Option<String>>);
 
 impl Health {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Health(Mutex::new(None))
     }
-    fn ensure_ok(&self) -> Result<()> {
+    pub(crate) fn ensure_ok(&self) -> Result<()> {
         match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
             Some(why) => Err(Error::Poisoned(why.clone())),
             None => Ok(()),
         }
     }
-    fn poison(&self, e: &Error) {
+    pub(crate) fn poison(&self, e: &Error) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
     }
-    fn clear(&self) {
+    pub(crate) fn clear(&self) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
 
 /// Elements per chunk: the buffer capacity, rounded down to whole packs so
 /// every chunk boundary stays 16-byte aligned.
-fn chunk_elems(capacity_bytes: usize, dtype: Dtype) -> usize {
+pub(crate) fn chunk_elems(capacity_bytes: usize, dtype: Dtype) -> usize {
     (capacity_bytes / crate::abi::PACK_BYTES) * dtype.lanes()
 }
 
@@ -494,6 +499,7 @@ impl VirtualGroup {
     /// # Safety
     /// `table` must point to a RankTable whose inputs hold `count` elements
     /// (and scratch enough for two-stage), `outputs` valid for `count` writes.
+    #[allow(clippy::too_many_arguments)] // one per kernel argument; a struct would only rename them
     unsafe fn launch(
         &self,
         stream: &CudaStream,
@@ -633,44 +639,16 @@ impl PeerGroup {
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
         let mut link = Link::SameDevice;
-        for (a, ca) in contexts.iter().enumerate() {
-            for (b, cb) in contexts.iter().enumerate() {
+        for ca in contexts {
+            for cb in contexts {
                 if ca.cu_device() == cb.cu_device() {
                     continue;
                 }
-                let mut can = 0i32;
-                // SAFETY: plain query with valid device handles and out-pointer.
-                unsafe { sys::cuDeviceCanAccessPeer(&mut can, ca.cu_device(), cb.cu_device()) }
-                    .result()
-                    .during("cuDeviceCanAccessPeer")?;
-                if can == 0 {
-                    return Err(Error::NoPeerAccess {
-                        a: ca.ordinal(),
-                        b: cb.ordinal(),
-                    });
-                }
-                let mut atomics = 0i32;
-                // SAFETY: as above.
-                unsafe {
-                    sys::cuDeviceGetP2PAttribute(
-                        &mut atomics,
-                        sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-                        ca.cu_device(),
-                        cb.cu_device(),
-                    )
-                }
-                .result()
-                .during("cuDeviceGetP2PAttribute")?;
-                // Native peer atomics are an NVLink property; PCIe P2P lacks them.
-                let l = if atomics != 0 {
-                    Link::NvLink
-                } else {
-                    Link::Pcie
-                };
-                link = match (link, l) {
-                    (Link::Pcie, _) | (_, Link::Pcie) => Link::Pcie,
-                    _ => Link::NvLink,
-                };
+                let l = crate::topology::link_between(ca, cb)?.ok_or(Error::NoPeerAccess {
+                    a: ca.ordinal(),
+                    b: cb.ordinal(),
+                })?;
+                link = crate::topology::slowest(link, l);
                 ca.bind_to_thread().during("cuCtxSetCurrent")?;
                 // SAFETY: both contexts are live; "already enabled" is not an error for us.
                 let r = unsafe { sys::cuCtxEnablePeerAccess(cb.cu_ctx(), 0) };
@@ -679,8 +657,6 @@ impl PeerGroup {
                 {
                     r.result().during("cuCtxEnablePeerAccess")?;
                 }
-                let _ = b;
-                let _ = a;
             }
         }
         let mut ranks = Vec::with_capacity(world);

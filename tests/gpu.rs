@@ -9,7 +9,10 @@
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use p2p_allreduce::abi::{Algorithm, BarrierKind, Dtype};
 use p2p_allreduce::reference::{self, values};
-use p2p_allreduce::{driver, AlgoChoice, Config, DeviceElement, Error, PeerGroup, VirtualGroup};
+use p2p_allreduce::{
+    driver, AlgoChoice, Config, DeviceElement, DirExchange, Error, PeerGroup, ProcessGroup,
+    VirtualGroup,
+};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +38,11 @@ fn main() {
         ("peer_timeout_is_reported", timeout),
         ("user_errors_are_typed", user_errors),
         ("peer_group_real_rank_entries", peer_group),
+        ("ipc_process_group_on_one_gpu", ipc_processes),
     ];
+    if let Ok(rank) = std::env::var("P2P_IPC_CHILD") {
+        std::process::exit(ipc_child(rank.parse().expect("P2P_IPC_CHILD is a rank")));
+    }
     let filter: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
@@ -769,4 +776,124 @@ fn peer_group(g: &Gpu) {
         }
     }
     println!("  PeerGroup (real-rank entries, one stream per rank) worlds 1..3 bit-exact");
+}
+
+/// N processes on one GPU open each other's IPC handles and allreduce.
+/// Kernels of different processes time-slice on one GPU (no MPS), so the
+/// barriers make progress one time slice at a time: slow, but it must work.
+fn ipc_processes(_g: &Gpu) {
+    let exe = std::env::current_exe().expect("current exe");
+    for world in [2usize, 3] {
+        let dir = std::env::temp_dir().join(format!("p2p-ar-ipc-{}-{world}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let children: Vec<_> = (0..world)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .env("P2P_IPC_CHILD", r.to_string())
+                    .env("P2P_IPC_WORLD", world.to_string())
+                    .env("P2P_IPC_DIR", &dir)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("spawn rank process")
+            })
+            .collect();
+        let t0 = Instant::now();
+        let mut failures = Vec::new();
+        for (r, mut c) in children.into_iter().enumerate() {
+            // Bounded wait: a stuck child is killed, never waited on forever.
+            let status = loop {
+                if let Some(st) = c.try_wait().expect("wait") {
+                    break Some(st);
+                }
+                if t0.elapsed() > Duration::from_secs(120) {
+                    let _ = c.kill();
+                    break None;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let out = c.wait_with_output().expect("output");
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
+            match status {
+                Some(st) if st.success() => println!("  world {world} rank {r}: {}", text.trim()),
+                other => failures.push(format!("world {world} rank {r} ({other:?}): {text}")),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            failures.is_empty(),
+            "IPC ranks failed:\n{}",
+            failures.join("\n")
+        );
+        println!(
+            "  {world} processes completed allreduces over CUDA IPC in {:.2} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+}
+
+fn ipc_child(rank: usize) -> i32 {
+    let run = || -> Result<String, String> {
+        let world: usize = std::env::var("P2P_IPC_WORLD")
+            .map_err(|e| e.to_string())?
+            .parse()
+            .map_err(|e| format!("{e}"))?;
+        let dir =
+            std::path::PathBuf::from(std::env::var("P2P_IPC_DIR").map_err(|e| e.to_string())?);
+        let ctx = driver::open_device(0).map_err(|e| e.to_string())?;
+        let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+        let ex = DirExchange::new(&dir, rank, world, Duration::from_secs(60))
+            .map_err(|e| e.to_string())?;
+        let cfg = Config {
+            max_bytes: 256 << 10,
+            timeout: Duration::from_secs(30),
+            max_blocks: 2,
+            ..Config::default()
+        };
+        let group = ProcessGroup::new(&ctx, &ex, cfg).map_err(|e| e.to_string())?;
+        let mut done = 0;
+        for algo in Algorithm::ALL {
+            for len in [1usize, 1000, 100_003] {
+                let inputs =
+                    values::adversarial_inputs(Dtype::F32, world, len, len as u64 + 7, true);
+                let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+                let want = reference::allreduce_bits(Dtype::F32, &refs);
+                let mine: Vec<f32> = inputs[rank].iter().map(|&b| f32::from_bits(b)).collect();
+                let input = stream.clone_htod(&mine).map_err(|e| e.to_string())?;
+                let mut output = stream
+                    .clone_htod(&vec![poison::<f32>(); len])
+                    .map_err(|e| e.to_string())?;
+                group
+                    .allreduce(&stream, &input, &mut output, algo.into())
+                    .map_err(|e| e.to_string())?;
+                group.check(&stream).map_err(|e| e.to_string())?;
+                let got: Vec<u32> = stream
+                    .clone_dtoh(&output)
+                    .map_err(|e| e.to_string())?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
+                if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, &got, &want) {
+                    return Err(format!(
+                        "{algo:?} len {len}: element {i}: got {a:#x} want {b:#x}"
+                    ));
+                }
+                done += 1;
+            }
+        }
+        Ok(format!(
+            "{done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32)"
+        ))
+    };
+    match run() {
+        Ok(msg) => {
+            println!("{msg}");
+            0
+        }
+        Err(e) => {
+            println!("rank {rank}: {e}");
+            1
+        }
+    }
 }

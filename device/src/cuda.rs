@@ -104,6 +104,20 @@ pub unsafe fn st_pack(p: *mut Pack, v: Pack) {
         options(nostack));
 }
 
+/// 16-byte global store marked evict-first (`st.global.cs.v4.u32`): for
+/// results this kernel will not read again, so they do not push the inputs
+/// that other ranks still have to read out of L2.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address valid for writes.
+#[inline(always)]
+pub unsafe fn st_pack_streaming(p: *mut Pack, v: Pack) {
+    // SAFETY: the caller guarantees alignment and validity.
+    asm!("st.global.cs.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+        p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+        options(nostack));
+}
+
 /// `atomicCAS` on a 32-bit word in this GPU's own memory. Never used on
 /// peer memory (PCIe P2P has no remote atomics).
 ///

@@ -180,8 +180,19 @@ unsafe fn reduce_at<E: Element, const N: usize>(inputs: &[*const Pack; N], i: u6
 /// loads in flight before the first add hide more memory latency than N.
 /// Larger N already has 5..8 loads in flight, and unrolling would push the
 /// register count past what 512-thread blocks can hold.
+/// A store that either stays in L2 for peers to read (`KEEP`: two-stage
+/// scratch) or is marked evict-first (final results).
 #[inline(always)]
-unsafe fn reduce_range<E: Element, const N: usize>(
+unsafe fn store<const KEEP: bool>(p: *mut Pack, v: Pack) {
+    if KEEP {
+        st_pack(p, v)
+    } else {
+        st_pack_streaming(p, v)
+    }
+}
+
+#[inline(always)]
+unsafe fn reduce_range<E: Element, const N: usize, const KEEP: bool>(
     inputs: &[*const Pack; N],
     dst: *mut Pack,
     dst2: *mut Pack,
@@ -202,19 +213,19 @@ unsafe fn reduce_range<E: Element, const N: usize>(
         }
         let a = reduce_pack::<E, N>(&v);
         let b = reduce_pack::<E, N>(&w);
-        st_pack(dst.add(i as usize), a);
-        st_pack(dst.add((i + stride) as usize), b);
+        store::<KEEP>(dst.add(i as usize), a);
+        store::<KEEP>(dst.add((i + stride) as usize), b);
         if !dst2.is_null() {
-            st_pack(dst2.add(i as usize), a);
-            st_pack(dst2.add((i + stride) as usize), b);
+            st_pack_streaming(dst2.add(i as usize), a);
+            st_pack_streaming(dst2.add((i + stride) as usize), b);
         }
         i += 2 * stride;
     }
     while i < end {
         let a = reduce_at::<E, N>(inputs, i);
-        st_pack(dst.add(i as usize), a);
+        store::<KEEP>(dst.add(i as usize), a);
         if !dst2.is_null() {
-            st_pack(dst2.add(i as usize), a);
+            st_pack_streaming(dst2.add(i as usize), a);
         }
         i += stride;
     }
@@ -231,14 +242,14 @@ unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: 
         let b = ld_pack(src.add((i + stride) as usize));
         let c = ld_pack(src.add((i + 2 * stride) as usize));
         let d = ld_pack(src.add((i + 3 * stride) as usize));
-        st_pack(dst.add(i as usize), a);
-        st_pack(dst.add((i + stride) as usize), b);
-        st_pack(dst.add((i + 2 * stride) as usize), c);
-        st_pack(dst.add((i + 3 * stride) as usize), d);
+        st_pack_streaming(dst.add(i as usize), a);
+        st_pack_streaming(dst.add((i + stride) as usize), b);
+        st_pack_streaming(dst.add((i + 2 * stride) as usize), c);
+        st_pack_streaming(dst.add((i + 3 * stride) as usize), d);
         i += 4 * stride;
     }
     while i < end {
-        st_pack(dst.add(i as usize), ld_pack(src.add(i as usize)));
+        st_pack_streaming(dst.add(i as usize), ld_pack(src.add(i as usize)));
         i += stride;
     }
 }
@@ -296,7 +307,7 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     let stride = (nblocks * nthreads) as u64;
 
     if !TWO_STAGE {
-        reduce_range::<E, N>(&inputs, out, core::ptr::null_mut(), 0, s.packs, g, stride);
+        reduce_range::<E, N, false>(&inputs, out, core::ptr::null_mut(), 0, s.packs, g, stride);
         reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g);
         // No rank may return (and let its input be overwritten) while a peer
         // still reads it.
@@ -314,7 +325,7 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
         // straight into own output, which saves re-reading it in stage 2.
         let (start, end) = partition(s.packs, N as u32, rank);
         let scratch = t.scratch[rank as usize] as *mut Pack;
-        reduce_range::<E, N>(&inputs, scratch, out, start, end, g, stride);
+        reduce_range::<E, N, true>(&inputs, scratch, out, start, end, g, stride);
         reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g);
         // Block b of rank p wrote exactly the packs block b of this rank
         // reads below (same grid, same decomposition), so a per-block

@@ -1,0 +1,380 @@
+//! One process per rank: buffers shared through CUDA IPC handles.
+//!
+//! Each rank allocates its staging, scratch and signal buffers with plain
+//! `cuMemAlloc` (exportable), exports them with `cuIpcGetMemHandle`, and
+//! all-gathers the handles through an [`Exchange`]; then it opens every
+//! peer's handles. A rank then launches the real-rank kernel entries on its
+//! own stream, exactly like a [`crate::PeerGroup`] rank.
+
+use crate::abi::{Algorithm, Dtype, LaunchArgs, RankTable, Signal, MAX_RANKS};
+use crate::driver::{DeviceAlloc, Kernels};
+use crate::error::{Context as _, Error, Result};
+use crate::exchange::Exchange;
+use crate::group::{
+    check_aligned, check_world, chunk_elems, launch, read_error_records, DeviceElement, Health,
+    RankBuffers,
+};
+use crate::plan::{blocks_for, AlgoChoice, Config, Link};
+use crate::ptx::Entry;
+use cudarc::driver::{result, sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use std::sync::Arc;
+
+const MAGIC: u32 = 0x7032_7061; // "p2pa"
+const VERSION: u32 = 1;
+const HANDLE: usize = 64;
+/// magic, version, world, rank, pid, device bus id (u32 each), max_bytes,
+/// timeout_ns, threads/blocks (u64 each), then 3 IPC handles.
+const RECORD: usize = 6 * 4 + 3 * 8 + 3 * HANDLE;
+
+/// A peer buffer opened from an IPC handle; closed on drop.
+struct Opened {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// This process's rank of a group formed over CUDA IPC.
+pub struct ProcessGroup {
+    rank: usize,
+    world: usize,
+    config: Config,
+    ctx: Arc<CudaContext>,
+    kernels: Arc<Kernels>,
+    own: RankBuffers,
+    _opened: Vec<Opened>,
+    table: DeviceAlloc,
+    signals: [u64; MAX_RANKS],
+    link: Link,
+    health: Health,
+}
+
+fn export(a: &DeviceAlloc) -> Result<[u8; HANDLE]> {
+    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+    // SAFETY: `a` is a live cuMemAlloc allocation; the handle is plain bytes.
+    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), a.ptr()) }
+        .result()
+        .during("cuIpcGetMemHandle")?;
+    // SAFETY: written by the driver above (zeroed before in any case).
+    let h = unsafe { h.assume_init() };
+    let mut out = [0u8; HANDLE];
+    for (o, c) in out.iter_mut().zip(h.reserved.iter()) {
+        *o = *c as u8;
+    }
+    Ok(out)
+}
+
+fn open(ctx: &Arc<CudaContext>, bytes: &[u8]) -> Result<Opened> {
+    let mut h = sys::CUipcMemHandle {
+        reserved: [0; HANDLE],
+    };
+    for (d, b) in h.reserved.iter_mut().zip(bytes) {
+        *d = *b as _;
+    }
+    let mut ptr: sys::CUdeviceptr = 0;
+    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+    // SAFETY: `h` is a handle exported by a peer process; the driver validates it.
+    unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            h,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    }
+    .result()
+    .during("cuIpcOpenMemHandle")?;
+    Ok(Opened {
+        ctx: ctx.clone(),
+        ptr,
+    })
+}
+
+struct Record {
+    world: u32,
+    rank: u32,
+    pid: u32,
+    bus: u32,
+    max_bytes: u64,
+    timeout_ns: u64,
+    launch: u64,
+    handles: [[u8; HANDLE]; 3],
+}
+
+impl Record {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(RECORD);
+        for x in [MAGIC, VERSION, self.world, self.rank, self.pid, self.bus] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        for x in [self.max_bytes, self.timeout_ns, self.launch] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        for h in &self.handles {
+            v.extend_from_slice(h);
+        }
+        v
+    }
+    fn decode(b: &[u8], from: usize) -> Result<Self> {
+        let bad = |what: &str| Error::Rendezvous(format!("rank {from} sent {what}"));
+        if b.len() != RECORD {
+            return Err(bad(&format!(
+                "{} bytes instead of {RECORD}: not a p2p-allreduce {VERSION} peer",
+                b.len()
+            )));
+        }
+        let u32_at =
+            |i: usize| u32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().unwrap_or_default());
+        let u64_at =
+            |i: usize| u64::from_le_bytes(b[24 + i * 8..32 + i * 8].try_into().unwrap_or_default());
+        if u32_at(0) != MAGIC || u32_at(1) != VERSION {
+            return Err(bad("a record of another version or program"));
+        }
+        let mut handles = [[0u8; HANDLE]; 3];
+        for (k, h) in handles.iter_mut().enumerate() {
+            h.copy_from_slice(&b[48 + k * HANDLE..48 + (k + 1) * HANDLE]);
+        }
+        Ok(Record {
+            world: u32_at(2),
+            rank: u32_at(3),
+            pid: u32_at(4),
+            bus: u32_at(5),
+            max_bytes: u64_at(0),
+            timeout_ns: u64_at(1),
+            launch: u64_at(2),
+            handles,
+        })
+    }
+}
+
+impl ProcessGroup {
+    /// Forms rank `exchange.rank()` of a group of `exchange.world()` processes.
+    /// Every rank must pass the same `config`; a mismatch is reported.
+    pub fn new(ctx: &Arc<CudaContext>, exchange: &dyn Exchange, config: Config) -> Result<Self> {
+        let (rank, world) = (exchange.rank(), exchange.world());
+        check_world(world)?;
+        config.validate().map_err(Error::Config)?;
+        let kernels = Kernels::for_context(ctx)?;
+        let own = RankBuffers::new(ctx, config.max_bytes)?;
+        let bus = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)
+            .during("cuDeviceGetAttribute(PCI bus id)")? as u32;
+        let mine = Record {
+            world: world as u32,
+            rank: rank as u32,
+            pid: std::process::id(),
+            bus,
+            max_bytes: config.max_bytes as u64,
+            timeout_ns: config.timeout_ns(),
+            launch: (config.threads_per_block as u64) << 32 | config.max_blocks as u64,
+            handles: [
+                export(&own.staging)?,
+                export(&own.scratch)?,
+                export(&own.signal)?,
+            ],
+        };
+        let all = exchange.all_gather(&mine.encode())?;
+        if all.len() != world {
+            return Err(Error::Rendezvous(format!(
+                "exchange returned {} records for {world} ranks",
+                all.len()
+            )));
+        }
+        let mut table = RankTable::default();
+        let mut signals = [0u64; MAX_RANKS];
+        let mut opened = Vec::new();
+        let mut link = Link::SameDevice;
+        for (p, bytes) in all.iter().enumerate() {
+            let rec = Record::decode(bytes, p)?;
+            let mismatch = |what: String| Error::GroupMismatch {
+                rank,
+                other: p,
+                what,
+            };
+            if rec.world as usize != world || rec.rank as usize != p {
+                return Err(mismatch(format!(
+                    "it is rank {} of {}, here rank {p} of {world}",
+                    rec.rank, rec.world
+                )));
+            }
+            if (rec.max_bytes, rec.timeout_ns, rec.launch)
+                != (mine.max_bytes, mine.timeout_ns, mine.launch)
+            {
+                return Err(mismatch(
+                    "Config (max_bytes, timeout, threads_per_block, max_blocks) differs".into(),
+                ));
+            }
+            if p == rank {
+                table.inputs[p] = own.staging.ptr();
+                table.scratch[p] = own.scratch.ptr();
+                signals[p] = own.signal.ptr();
+                continue;
+            }
+            if rec.pid == mine.pid {
+                return Err(mismatch(
+                    "both ranks are in one process: use VirtualGroup or PeerGroup there".into(),
+                ));
+            }
+            if rec.bus != bus {
+                link = Link::Pcie; // refined below when both devices are visible here
+            }
+            let [s, c, g] = &rec.handles;
+            let (s, c, g) = (open(ctx, s)?, open(ctx, c)?, open(ctx, g)?);
+            table.inputs[p] = s.ptr;
+            table.scratch[p] = c.ptr;
+            signals[p] = g.ptr;
+            opened.extend([s, c, g]);
+        }
+        let t = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
+        t.write(std::slice::from_ref(&table))?;
+        Ok(ProcessGroup {
+            rank,
+            world,
+            config,
+            ctx: ctx.clone(),
+            kernels,
+            own,
+            _opened: opened,
+            table: t,
+            signals,
+            link,
+            health: Health::new(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Staged allreduce of this rank's `input` into `output`, on `stream`.
+    /// Every rank must call it with the same dtype and length.
+    pub fn allreduce<T: DeviceElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        let count = input.len();
+        if output.len() < count {
+            return Err(Error::BufferTooSmall {
+                what: "output",
+                rank: self.rank,
+                len: output.len(),
+                need: count,
+            });
+        }
+        let size = T::DTYPE.size();
+        if count * size > self.config.max_bytes && !self.config.chunking {
+            return Err(Error::MessageTooLarge {
+                bytes: count * size,
+                capacity: self.config.max_bytes,
+            });
+        }
+        let (inp, _gi) = input.device_ptr(stream);
+        let (out, _go) = output.device_ptr_mut(stream);
+        check_aligned("output", self.rank, out)?;
+        let chunk = chunk_elems(self.config.max_bytes, T::DTYPE);
+        let mut off = 0usize;
+        loop {
+            let n = (count - off).min(chunk);
+            let used = self
+                .config
+                .thresholds
+                .choose(algo, n * size, self.world, self.link);
+            if n > 0 {
+                // SAFETY: input holds `count` elements; staging holds max_bytes >= n * size.
+                unsafe {
+                    result::memcpy_dtod_async(
+                        self.own.staging.ptr(),
+                        inp + (off * size) as u64,
+                        n * size,
+                        stream.cu_stream(),
+                    )
+                }
+                .during("cuMemcpyDtoDAsync (staging)")?;
+            }
+            // SAFETY: the output holds `count` elements; the table and signals
+            // point at this group's live (own or opened) buffers.
+            unsafe { self.launch(stream, T::DTYPE, n, out + (off * size) as u64, used)? };
+            off += n;
+            if off >= count {
+                return Ok(used);
+            }
+        }
+    }
+
+    /// # Safety
+    /// `output` must be valid for `count` writes of `dtype`.
+    unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        count: usize,
+        output: u64,
+        algo: Algorithm,
+    ) -> Result<()> {
+        let c = &self.config;
+        let entry = Entry {
+            algorithm: algo,
+            dtype,
+            world: self.world,
+            virtual_ranks: false,
+        };
+        let blocks = blocks_for(
+            algo,
+            dtype,
+            count,
+            self.world,
+            c.threads_per_block,
+            c.max_blocks,
+        );
+        let mut args = LaunchArgs {
+            table: self.table.ptr(),
+            signals: self.signals,
+            count: count as u64,
+            timeout_ns: c.timeout_ns(),
+            rank: self.rank as u32,
+            ..Default::default()
+        };
+        args.outputs[self.rank] = output;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            launch(
+                &self.kernels,
+                stream,
+                entry,
+                (blocks, 1),
+                c.threads_per_block,
+                &args,
+            )
+        }
+    }
+
+    /// Waits for `stream`, then reports an error this rank's kernels recorded.
+    pub fn check(&self, stream: &CudaStream) -> Result<()> {
+        stream.synchronize().during("cuStreamSynchronize")?;
+        read_error_records(&[&self.own.signal]).inspect_err(|e| self.health.poison(e))
+    }
+
+    /// Zeroes this rank's signal after waiting for the device. Every rank
+    /// must reset (and agree on it out of band) before the next collective.
+    pub fn reset(&self) -> Result<()> {
+        self.ctx.synchronize().during("cuCtxSynchronize")?;
+        self.own
+            .signal
+            .write(&[0u8; std::mem::size_of::<Signal>()])?;
+        self.health.clear();
+        Ok(())
+    }
+}
