@@ -34,7 +34,8 @@ struct Toolchain {
 }
 
 fn main() {
-    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let root =
+        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-changed=device/src");
     println!("cargo:rerun-if-changed=device/Cargo.toml");
@@ -48,7 +49,8 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
-    let archs = parse_archs(&env::var("P2P_ALLREDUCE_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.into()));
+    let archs =
+        parse_archs(&env::var("P2P_ALLREDUCE_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.into()));
     let tc = find_toolchain();
     let target_dir = cargo_target_dir(&out_dir);
     let nested_target = target_dir.join("ptx-build");
@@ -72,10 +74,13 @@ fn parse_archs(list: &str) -> Vec<(String, (u32, u32))> {
         let digits = a.strip_prefix("sm_").unwrap_or_else(|| {
             panic!("P2P_ALLREDUCE_ARCHS: `{a}` is not of the form sm_XY (e.g. sm_90)")
         });
-        let n: u32 = digits
-            .parse()
-            .unwrap_or_else(|_| panic!("P2P_ALLREDUCE_ARCHS: `{a}` is not of the form sm_XY (e.g. sm_90)"));
-        assert!(n >= 70, "P2P_ALLREDUCE_ARCHS: `{a}`: the kernels need sm_70 or newer (acquire/release flags)");
+        let n: u32 = digits.parse().unwrap_or_else(|_| {
+            panic!("P2P_ALLREDUCE_ARCHS: `{a}` is not of the form sm_XY (e.g. sm_90)")
+        });
+        assert!(
+            n >= 70,
+            "P2P_ALLREDUCE_ARCHS: `{a}`: the kernels need sm_70 or newer (acquire/release flags)"
+        );
         v.push((a.to_string(), (n / 10, n % 10)));
     }
     assert!(!v.is_empty(), "P2P_ALLREDUCE_ARCHS is empty");
@@ -90,7 +95,9 @@ fn has_library_source(rustc: &Path) -> bool {
         return false;
     }
     let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    sysroot.join("lib/rustlib/src/rust/library/core/src/lib.rs").is_file()
+    sysroot
+        .join("lib/rustlib/src/rust/library/core/src/lib.rs")
+        .is_file()
 }
 
 fn find_toolchain() -> Toolchain {
@@ -106,13 +113,23 @@ fn find_toolchain() -> Toolchain {
              -Zbuild-std=core needs it",
             rustc.display()
         );
-        return Toolchain { rustc, cargo, rustup: false, origin: "P2P_ALLREDUCE_NVPTX_RUSTC" };
+        return Toolchain {
+            rustc,
+            cargo,
+            rustup: false,
+            origin: "P2P_ALLREDUCE_NVPTX_RUSTC",
+        };
     }
     // 2. The active toolchain, if it has rust-src.
     let rustc = PathBuf::from(env::var("RUSTC").unwrap_or_else(|_| "rustc".into()));
     let cargo = PathBuf::from(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     if has_library_source(&rustc) {
-        return Toolchain { rustc, cargo, rustup: true, origin: "active toolchain (rust-src)" };
+        return Toolchain {
+            rustc,
+            cargo,
+            rustup: true,
+            origin: "active toolchain (rust-src)",
+        };
     }
     // 3. Debian's rustc-web + rust-web-src.
     let deb = PathBuf::from("/usr/bin/rustc");
@@ -144,7 +161,12 @@ fn cargo_target_dir(out_dir: &Path) -> PathBuf {
         .ancestors()
         .skip(4)
         .find(|p| p.join("CACHEDIR.TAG").is_file())
-        .unwrap_or_else(|| out_dir.ancestors().nth(4).expect("OUT_DIR has a target dir"))
+        .unwrap_or_else(|| {
+            out_dir
+                .ancestors()
+                .nth(4)
+                .expect("OUT_DIR has a target dir")
+        })
         .to_path_buf()
 }
 
@@ -154,7 +176,10 @@ fn build_ptx(tc: &Toolchain, device_dir: &Path, nested_target: &Path, arch: &str
     // jobserver must not leak into the nested kernel build.
     for (k, _) in env::vars_os() {
         let k = k.to_string_lossy().into_owned();
-        let keep = k == "CARGO_HOME" || k == "CARGO_NET_OFFLINE" || k.starts_with("CARGO_REGISTRIES") || k.starts_with("CARGO_HTTP");
+        let keep = k == "CARGO_HOME"
+            || k == "CARGO_NET_OFFLINE"
+            || k.starts_with("CARGO_REGISTRIES")
+            || k.starts_with("CARGO_HTTP");
         if (k.starts_with("CARGO_") && !keep)
             || k.starts_with("RUSTC")
             || k.starts_with("RUSTDOC")
@@ -172,7 +197,14 @@ fn build_ptx(tc: &Toolchain, device_dir: &Path, nested_target: &Path, arch: &str
         // MIR jump threading can duplicate bar.sync into divergent branches.
         .env("RUSTFLAGS", "-Zmir-enable-passes=-JumpThreading")
         .current_dir(device_dir)
-        .args(["rustc", "--release", "--lib", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
+        .args([
+            "rustc",
+            "--release",
+            "--lib",
+            "--target",
+            "nvptx64-nvidia-cuda",
+            "-Zbuild-std=core",
+        ])
         .arg("--manifest-path")
         .arg(device_dir.join("Cargo.toml"))
         .arg("--target-dir")
@@ -180,7 +212,9 @@ fn build_ptx(tc: &Toolchain, device_dir: &Path, nested_target: &Path, arch: &str
         .arg("--")
         .arg(format!("--emit=asm={}", ptx.display()))
         .arg(format!("-Ctarget-cpu={arch}"));
-    let out = cmd.output().unwrap_or_else(|e| panic!("could not run {}: {e}", tc.cargo.display()));
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {}: {e}", tc.cargo.display()));
     if !out.status.success() {
         panic!(
             "kernel build for {arch} failed (toolchain: {}, {}):\n{}\n{}",
@@ -190,7 +224,8 @@ fn build_ptx(tc: &Toolchain, device_dir: &Path, nested_target: &Path, arch: &str
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let text = fs::read_to_string(ptx).unwrap_or_else(|e| panic!("kernel build left no PTX at {}: {e}", ptx.display()));
+    let text = fs::read_to_string(ptx)
+        .unwrap_or_else(|e| panic!("kernel build left no PTX at {}: {e}", ptx.display()));
     assert!(
         text.lines().any(|l| l.trim() == format!(".target {arch}")),
         "PTX for {arch} does not declare `.target {arch}`"
@@ -217,7 +252,11 @@ fn write_module_table(out_dir: &Path, archs: &[(String, (u32, u32))], tc: &Toolc
         );
     }
     s.push_str("];\n");
-    let _ = writeln!(s, "/// Which toolchain compiled the kernels.\npub const KERNEL_TOOLCHAIN: &str = {:?};", format!("{} ({})", tc.origin, tc.rustc.display()));
+    let _ = writeln!(
+        s,
+        "/// Which toolchain compiled the kernels.\npub const KERNEL_TOOLCHAIN: &str = {:?};",
+        format!("{} ({})", tc.origin, tc.rustc.display())
+    );
     fs::write(out_dir.join("ptx_modules.rs"), s).expect("write ptx_modules.rs");
 }
 
@@ -225,7 +264,11 @@ fn write_resources(root: &Path, out_dir: &Path, archs: &[(String, (u32, u32))]) 
     let mut s = String::from("// Generated by build.rs from `ptxas -v`.\n");
     match ptxas::find_ptxas(root) {
         Some(p) => {
-            let _ = writeln!(s, "pub const PTXAS_USED: Option<&str> = Some({:?});", p.display().to_string());
+            let _ = writeln!(
+                s,
+                "pub const PTXAS_USED: Option<&str> = Some({:?});",
+                p.display().to_string()
+            );
             s.push_str("pub static KERNEL_STATS: &[(&str, KernelStats)] = &[\n");
             for (arch, _) in archs {
                 let ptx = out_dir.join(format!("{arch}.ptx"));

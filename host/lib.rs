@@ -24,4 +24,11 @@ pub mod reference;
 pub use error::{Error, Result};
 pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, VirtualGroup};
 pub use plan::{AlgoChoice, Config, Link, Thresholds};
+pub mod exchange;
+pub mod ipc;
 pub mod measure;
+
+pub use exchange::{DirExchange, Exchange, InProcessExchange};
+pub use ipc::ProcessGroup;
+pub mod topology;
+pub mod validate;

@@ -1,0 +1,201 @@
+//! `p2p-allreduce info`: what this build embeds and what the machine has.
+
+use crate::fmt_bytes;
+use p2p_allreduce::driver::{self, DeviceInfo};
+use p2p_allreduce::ptx::{self, Entry, KernelStats};
+use p2p_allreduce::topology;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct InfoArgs {
+    /// List registers and spills of every kernel entry (one line per entry,
+    /// one column per architecture).
+    #[arg(long)]
+    pub kernels: bool,
+}
+
+pub fn run(args: &InfoArgs) -> ExitCode {
+    println!("p2p-allreduce {}", env!("CARGO_PKG_VERSION"));
+    println!("kernel toolchain: {}", ptx::KERNEL_TOOLCHAIN);
+    print_ptx(args.kernels);
+    println!();
+    print_gpus();
+    ExitCode::SUCCESS
+}
+
+fn stats_of(arch: &str) -> Vec<&'static KernelStats> {
+    ptx::KERNEL_STATS
+        .iter()
+        .filter(|(a, _)| *a == arch)
+        .map(|(_, k)| k)
+        .collect()
+}
+
+fn print_ptx(list_kernels: bool) {
+    match ptx::PTXAS_USED {
+        Some(path) => println!("register/spill numbers: from `ptxas -v` at build time ({path})"),
+        None => println!(
+            "register/spill numbers: none: ptxas was not available at build time, so the PTX was \
+             not assembled here (the driver JIT-compiles it on first use)"
+        ),
+    }
+    let entries = Entry::all().len();
+    println!(
+        "embedded PTX modules: {} ({} entries each)",
+        ptx::MODULES.len(),
+        entries
+    );
+    println!(
+        "  {:<8} {:>5} {:>10} {:>8} {:>13} {:>12} {:>12}",
+        "arch", "cc", "PTX", "entries", "registers", "spill st/ld", "stack frame"
+    );
+    for m in ptx::MODULES {
+        let n_entries = m.ptx.matches(".entry ").count();
+        let stats = stats_of(m.arch);
+        let (regs, spill, stack) = if stats.is_empty() {
+            ("-".to_string(), "-".to_string(), "-".to_string())
+        } else {
+            let min = stats.iter().map(|k| k.registers).min().unwrap_or(0);
+            let max = stats.iter().map(|k| k.registers).max().unwrap_or(0);
+            let st: u64 = stats.iter().map(|k| u64::from(k.spill_store_bytes)).sum();
+            let ld: u64 = stats.iter().map(|k| u64::from(k.spill_load_bytes)).sum();
+            let frame = stats.iter().map(|k| k.stack_frame_bytes).max().unwrap_or(0);
+            (
+                format!("{min}..{max}"),
+                format!("{st}/{ld} B"),
+                format!("max {frame} B"),
+            )
+        };
+        println!(
+            "  {:<8} {:>5} {:>10} {:>8} {:>13} {:>12} {:>12}",
+            m.arch,
+            format!("{}.{}", m.compute_capability.0, m.compute_capability.1),
+            fmt_bytes(m.ptx.len() as u64),
+            n_entries,
+            regs,
+            spill,
+            stack
+        );
+    }
+    if list_kernels {
+        print_kernel_table();
+    } else if ptx::PTXAS_USED.is_some() {
+        println!("  (`info --kernels` lists every entry)");
+    }
+}
+
+fn print_kernel_table() {
+    let archs: Vec<&str> = ptx::MODULES.iter().map(|m| m.arch).collect();
+    println!();
+    print!("  {:<40}", "entry (registers / spill st+ld bytes)");
+    for a in &archs {
+        print!(" {a:>10}");
+    }
+    println!();
+    for e in Entry::all() {
+        let name = e.name();
+        print!("  {name:<40}");
+        for a in &archs {
+            let cell = match ptx::kernel_stats(a, &name) {
+                Some(k) => format!(
+                    "{}/{}",
+                    k.registers,
+                    k.spill_store_bytes + k.spill_load_bytes
+                ),
+                None => "-".into(),
+            };
+            print!(" {cell:>10}");
+        }
+        println!();
+    }
+}
+
+fn print_gpus() {
+    if !driver::driver_present() {
+        println!("driver: no CUDA driver found (libcuda could not be loaded): GPU commands (check, bench) are unavailable here; the PTX above is usable on any machine");
+        return;
+    }
+    let mut version = 0i32;
+    // SAFETY: plain query with a valid out-pointer; the library is present
+    // (checked above).
+    let v = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    let version = if v == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        format!(", CUDA {}.{}", version / 1000, (version % 1000) / 10)
+    } else {
+        String::new()
+    };
+    let n = match driver::device_count() {
+        Ok(n) => n,
+        Err(e) => {
+            println!("driver: present{version}, but: {e}");
+            return;
+        }
+    };
+    println!("driver: present{version}, {n} GPU(s)");
+    if n == 0 {
+        println!("  no GPU visible (check CUDA_VISIBLE_DEVICES and the driver)");
+        return;
+    }
+    let mut opened = Vec::new();
+    for i in 0..n {
+        match driver::open_device(i).and_then(|c| Ok((driver::device_info(&c)?, c))) {
+            Ok((info, ctx)) => {
+                print_gpu(&info, &ctx);
+                opened.push(ctx);
+            }
+            Err(e) => println!("GPU {i}: cannot open: {e}"),
+        }
+    }
+    if opened.len() >= 2 {
+        print_peer_matrix(&opened);
+    } else if n == 1 {
+        println!("peer access: one GPU (virtual ranks only; `check --gpus 0,0` runs real-rank kernels on it)");
+    }
+}
+
+fn print_gpu(info: &DeviceInfo, ctx: &Arc<cudarc::driver::CudaContext>) {
+    let ptx = match driver::module_for_device(ctx) {
+        Ok(m) => format!("PTX {}", m.arch),
+        Err(e) => format!("no usable PTX: {e}"),
+    };
+    println!(
+        "GPU {}: {}, cc {}.{}, {} SMs, {} -> {}",
+        info.ordinal,
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.multiprocessors,
+        fmt_bytes(info.total_mem as u64),
+        ptx
+    );
+}
+
+fn print_peer_matrix(ctxs: &[Arc<cudarc::driver::CudaContext>]) {
+    println!(
+        "peer access (row reads column; NVLink = native peer atomics, PCIe = P2P without them):"
+    );
+    print!("  {:<6}", "");
+    for c in ctxs {
+        print!(" {:>7}", format!("GPU{}", c.ordinal()));
+    }
+    println!();
+    for a in ctxs {
+        print!("  {:<6}", format!("GPU{}", a.ordinal()));
+        for b in ctxs {
+            let cell = if a.ordinal() == b.ordinal() {
+                "-".to_string()
+            } else {
+                match topology::link_between(a, b) {
+                    Ok(l) => topology::link_name(l).to_string(),
+                    Err(e) => {
+                        eprintln!("peer query GPU{} -> GPU{}: {e}", a.ordinal(), b.ordinal());
+                        "?".to_string()
+                    }
+                }
+            };
+            print!(" {cell:>7}");
+        }
+        println!();
+    }
+}
