@@ -46,10 +46,10 @@ impl Default for Thresholds {
         const K: usize = 1024;
         const M: usize = 1024 * 1024;
         Thresholds {
-            // From the H200 virtual-rank benchmark (docs/benchmarks.md): the
-            // bf16 crossover lies between 1 and 8 MiB for N=2, near 2 MiB for
-            // N=4, and between 256 KiB and 1 MiB for N=8; odd sizes between.
-            same_device: [0, usize::MAX, 4 * M, 2 * M, 2 * M, M, M, 512 * K, 512 * K],
+            // From the H200 virtual-rank bf16 sweep (docs/benchmarks.md): one-stage
+            // is faster up to 8 MiB for N=2, 1 MiB for N=4 and 256 KiB for N=8;
+            // odd world sizes interpolated.
+            same_device: [0, usize::MAX, 8 * M, 2 * M, M, M, 512 * K, 256 * K, 256 * K],
             // Starting points in the spirit of the published custom-allreduce
             // tables; to be re-tuned on real multi-GPU machines.
             nvlink: [

@@ -46,7 +46,10 @@ run)
   echo "== gpu suite"; timeout "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu" 2>&1 | tee "$OUT/gpu-suite.log" || status=1
   echo "== benchmark"; BENCH_OUT="$OUT/bench.md" timeout "${GPU_BENCH_TIMEOUT:-150}" "$B/bench-allreduce" 2>&1 | tee "$OUT/bench.log" || status=1
   if [ -x "$B/p2p-allreduce" ]; then
-    echo "== cli"; "$B/p2p-allreduce" 2>&1 | tee "$OUT/cli.log" || status=1
+    echo "== cli (default: info, quick check, short bench)"; timeout 120 "$B/p2p-allreduce" 2>&1 | tee "$OUT/cli.log" || status=1
+    echo "== cli check"; timeout 120 "$B/p2p-allreduce" check 2>&1 | tee "$OUT/check.log" || status=1
+    echo "== cli bench"; timeout 180 "$B/p2p-allreduce" bench --world 2,4,8 -d bf16 \
+      --plot "$OUT/latency.svg" --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/check.log" || status=1
   fi
   exit $status
   ;;
