@@ -42,6 +42,22 @@ impl Drop for Opened {
 }
 
 /// This process's rank of a group formed over CUDA IPC.
+///
+/// ```no_run
+/// use p2p_allreduce::{driver, AlgoChoice, Config, DirExchange, ProcessGroup};
+/// use std::time::Duration;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let (rank, world) = (0, 2); // e.g. from the launcher's environment
+/// let ctx = driver::open_device(rank)?;
+/// let stream = ctx.new_stream()?;
+/// let ex = DirExchange::new("/tmp/my-job-rendezvous".as_ref(), rank, world, Duration::from_secs(60))?;
+/// let group = ProcessGroup::new(&ctx, &ex, Config::default())?;
+/// let input = stream.clone_htod(&vec![half::bf16::ONE; 4096])?;
+/// let mut output = stream.alloc_zeros::<half::bf16>(4096)?;
+/// group.allreduce(&stream, &input, &mut output, AlgoChoice::Auto)?;
+/// group.check(&stream)?;
+/// # Ok(()) }
+/// ```
 pub struct ProcessGroup {
     rank: usize,
     world: usize,

@@ -1,10 +1,31 @@
 //! p2p-allreduce: deterministic allreduce kernels written in Rust, compiled
 //! to PTX, with a host library on cudarc.
 //!
-//! - [`ptx`]: the embedded PTX modules and the entry-point index (kernel
-//!   provider interface).
-//! - [`abi`]: the `#[repr(C)]` structs shared with the kernels.
-//! - [`reference`]: the CPU oracle of the determinism contract.
+//! Two ways in:
+//! - as a **kernel provider**: [`ptx`] holds the PTX of every architecture
+//!   built (`&'static str`) and a typed index of the entry points;
+//!   [`abi`] the `#[repr(C)]` structs they take;
+//! - through the **host API**: [`VirtualGroup`] (N ranks on one GPU),
+//!   [`PeerGroup`] (one process, one context per rank), [`ProcessGroup`]
+//!   (one process per rank over CUDA IPC, set up through an [`Exchange`]).
+//!
+//! ```no_run
+//! use p2p_allreduce::{driver, AlgoChoice, Config, VirtualGroup};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let ctx = driver::open_device(0)?; // Error::NoDriver on a machine without libcuda
+//! let stream = ctx.new_stream()?;
+//! let group = VirtualGroup::new(&ctx, 2, Config::default())?;
+//! let a = stream.clone_htod(&[1.0f32, 2.0, 3.0])?;
+//! let b = stream.clone_htod(&[10.0f32, 20.0, 30.0])?;
+//! let mut outs = vec![stream.alloc_zeros::<f32>(3)?, stream.alloc_zeros::<f32>(3)?];
+//! group.allreduce(&stream, &[&a, &b], &mut outs, AlgoChoice::Auto)?;
+//! group.check(&stream)?; // waits; a peer that never arrived becomes Error::PeerTimeout
+//! assert_eq!(stream.clone_dtoh(&outs[1])?, vec![11.0, 22.0, 33.0]);
+//! # Ok(()) }
+//! ```
+//!
+//! Every result is bit-identical to [`reference`](mod@reference), the CPU
+//! oracle of the determinism contract, on every rank and for both algorithms.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 /// The kernel crate's pure pieces (element types, reduction, partitioning,
@@ -15,20 +36,19 @@ pub use p2p_allreduce_device::abi::{Algorithm, Dtype};
 
 pub mod driver;
 pub mod error;
+pub mod exchange;
 pub mod group;
+pub mod ipc;
+pub mod measure;
 pub mod plan;
 pub mod ptx;
 pub mod ptxas;
 pub mod reference;
-
-pub use error::{Error, Result};
-pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, VirtualGroup};
-pub use plan::{AlgoChoice, Config, Link, Thresholds};
-pub mod exchange;
-pub mod ipc;
-pub mod measure;
-
-pub use exchange::{DirExchange, Exchange, InProcessExchange};
-pub use ipc::ProcessGroup;
 pub mod topology;
 pub mod validate;
+
+pub use error::{Error, Result};
+pub use exchange::{DirExchange, Exchange, InProcessExchange};
+pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, VirtualGroup};
+pub use ipc::ProcessGroup;
+pub use plan::{AlgoChoice, Config, Link, Thresholds};
