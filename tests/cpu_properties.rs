@@ -128,6 +128,15 @@ fn config(cases: u32) -> ProptestConfig {
     }
 }
 
+/// For cases of a million elements: shrinking would rerun them hundreds of
+/// times, and the failure message already names the case and element.
+fn config_no_shrink(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        max_shrink_iters: 0,
+        ..config(cases)
+    }
+}
+
 // ---------------------------------------------------------------------------
 // GPU memory images
 
@@ -200,7 +209,19 @@ fn reduce_packs<E: Element>(packs: &[Pack]) -> Pack {
         n => panic!("world {n} is outside 1..=8"),
     };
     let d = reduce_pack_dyn::<E>(packs);
-    assert_eq!(p, d, "reduce_pack and reduce_pack_dyn differ on {packs:x?}");
+    // Same values lane by lane; NaN payloads may differ, because an optimised
+    // build is free to swap the operands of an addition (the contract is
+    // payload-free too).
+    let (pw, dw) = (E::unpack(p), E::unpack(d));
+    let same = pw
+        .iter()
+        .zip(dw.iter())
+        .take(E::LANES)
+        .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+    assert!(
+        same,
+        "reduce_pack and reduce_pack_dyn differ on {packs:x?}: {p:x?} vs {d:x?}"
+    );
     p
 }
 
@@ -438,7 +459,7 @@ proptest! {
 proptest! {
     // Each case is ~1M elements on up to 8 ranks: a few are enough to cover
     // long grid-stride loops and large partitions.
-    #![proptest_config(config(3))]
+    #![proptest_config(config_no_shrink(3))]
 
     #[test]
     fn kernel_model_matches_oracle_large(case in case(large_len())) {
@@ -447,7 +468,7 @@ proptest! {
 }
 
 /// The checks above can fail: the rank-rotated two-stage order of other
-/// implementations is caught on every dtype, and so is a pack left unwritten.
+/// implementations is caught on every dtype, and so is one corrupted element.
 #[test]
 fn rotated_two_stage_order_is_detected() {
     for dtype in Dtype::ALL {

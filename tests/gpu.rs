@@ -58,10 +58,8 @@ fn main() {
             for (name, _) in &selected {
                 println!("test {name} ... SKIPPED ({reason})");
             }
-            println!(
-                "\ngpu suite: 0 passed, 0 failed, {} skipped: {reason}",
-                selected.len()
-            );
+            println!("\ngpu suite skipped: {reason}");
+            println!("gpu: 0 passed, 0 failed, {} skipped", selected.len());
             return;
         }
     };
@@ -84,7 +82,7 @@ fn main() {
             }
         }
     }
-    println!("\ngpu suite: {passed} passed, {failed} failed");
+    println!("\ngpu: {passed} passed, {failed} failed");
     if failed > 0 {
         std::process::exit(1);
     }

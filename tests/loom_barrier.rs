@@ -1,28 +1,62 @@
 //! A loom model of the kernels' barrier protocol, run with the very code the
-//! kernels use (`device::barrier::{arrive, wait, next_epoch}`), on loom
-//! atomics instead of GPU memory.
+//! kernels use (`device::barrier::{arrive_ordered, wait_ordered, next_epoch}`
+//! and the `FlagWord` / `Clock` traits), on loom atomics instead of GPU
+//! memory.
 //!
-//! Each rank is one loom thread. That folds a block's "thread p exchanges
-//! flags with peer p" into one thread that first arrives at every peer and
-//! then waits for every peer, which is what the `bar.sync` around the
-//! exchange makes of it: no rank's arrival ever waits on a wait. The model
-//! has one block (flags of other blocks are separate words, so blocks do not
-//! interact through the protocol).
+//! # What is modelled
 //!
-//! Buffers (input, scratch) are `loom::cell::UnsafeCell`s, so loom itself
-//! reports any read that is not ordered after the write it should see, or a
-//! write that races with a peer's read; on top of that every value read is
-//! checked to belong to the right collective.
+//! Each rank is one loom thread running a sequence of "stream operations":
+//! per collective, a copy of the rank's new input into its buffer, then one
+//! kernel: start barrier, reads of every rank's input, [two-stage: own
+//! partition into scratch, mid barrier, peers' partitions from their
+//! scratch], and the end barrier where the kernel has one. The barrier
+//! orders are those of `device/src/kernels.rs` ([`Protocol::kernels`]):
+//! Start and End relaxed (`Order::ArrivalOnly`), Mid release/acquire
+//! (`Order::Publish`), no End in two-stage.
+//!
+//! A block's "thread p exchanges flags with peer p" is folded into one
+//! thread that first arrives at every peer and then waits for every peer,
+//! which is what the `bar.sync` around the exchange makes of it (no arrival
+//! ever waits on a wait). The model has one block: other blocks use other
+//! flag words and do not interact through the protocol.
+//!
+//! Buffers are `loom::cell::UnsafeCell`s, so loom reports any read not
+//! ordered (happens-before) with a write of the same buffer; on top of
+//! that every value read is checked to belong to the right collective.
+//!
+//! # Hardware assumptions
+//!
+//! Relaxed flags give no happens-before edge in the C++/Rust memory model
+//! that loom implements (nor in PTX's). The kernels' relaxed Start and End
+//! rely on properties of the GPU and of CUDA streams instead. The model
+//! states each as a fence, so each can be switched off to show that it is
+//! load-bearing ([`Hw`]):
+//! - `stream_order`: an operation on a stream (the input copy, a kernel)
+//!   has completed, all its accesses performed, before the next operation
+//!   on that stream starts: a release fence after the copy and after each
+//!   kernel;
+//! - `polls_gate_accesses`: accesses after a poll that saw the epoch (and
+//!   the `bar.sync` after it) are performed after it, and do not see memory
+//!   older than it: an acquire fence after a relaxed wait;
+//! - `reads_done_before_end`: a rank's reads of peer inputs have returned
+//!   (their values fed stores) before its End arrival: a release fence
+//!   before a relaxed End arrival.
+//!
+//! The brief's protocol (release/acquire at every barrier, End in both
+//! algorithms) needs none of them; it is checked too
+//! ([`Protocol::release_acquire`]).
 
 use loom::cell::UnsafeCell;
 use loom::model::Builder;
-use loom::sync::atomic::{AtomicU32, Ordering};
+use loom::sync::atomic::{fence, AtomicU32, Ordering};
 use loom::sync::Arc;
 use p2p_allreduce::abi::{error_code, BarrierKind, ErrorRecord};
-use p2p_allreduce::device::barrier::{arrive, next_epoch, wait, Clock, FlagWord, Wait};
+use p2p_allreduce::device::barrier::{
+    arrive_ordered, next_epoch, wait_ordered, Clock, FlagWord, Order, Wait, POLLS_PER_CLOCK_READ,
+};
 use p2p_allreduce::device::reduce::partition;
 
-/// A flag word in loom's memory model, with the orderings the kernels use.
+/// A flag word in loom's memory model.
 struct Flag(AtomicU32);
 
 impl FlagWord for Flag {
@@ -31,6 +65,12 @@ impl FlagWord for Flag {
     }
     fn store_release(&self, value: u32) {
         self.0.store(value, Ordering::Release)
+    }
+    fn load_relaxed(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+    fn store_relaxed(&self, value: u32) {
+        self.0.store(value, Ordering::Relaxed)
     }
 }
 
@@ -97,6 +137,29 @@ impl RankMem {
     }
 }
 
+/// The hardware and stream properties the relaxed barriers rely on; see
+/// the module documentation.
+#[derive(Clone, Copy, Debug)]
+struct Hw {
+    stream_order: bool,
+    polls_gate_accesses: bool,
+    reads_done_before_end: bool,
+}
+
+impl Hw {
+    const ALL: Hw = Hw {
+        stream_order: true,
+        polls_gate_accesses: true,
+        reads_done_before_end: true,
+    };
+    /// Only what the C++ memory model gives.
+    const NONE: Hw = Hw {
+        stream_order: false,
+        polls_gate_accesses: false,
+        reads_done_before_end: false,
+    };
+}
+
 /// What to model.
 #[derive(Clone, Copy, Debug)]
 struct Protocol {
@@ -105,31 +168,76 @@ struct Protocol {
     len: usize,
     collectives: u32,
     two_stage: bool,
-    /// Off only to prove the model catches the missing barrier.
-    end_barrier: bool,
-    mid_barrier: bool,
+    start: Order,
+    /// Two-stage only; `None` removes the barrier.
+    mid: Option<Order>,
+    /// `None`: no end barrier.
+    end: Option<Order>,
+    hw: Hw,
     /// 0 waits forever, as in the kernels.
     timeout_ns: u64,
     /// The epoch counter's value before the first collective (0 in zeroed
     /// memory).
     epoch_before: u32,
-    /// A rank that dies (leaves without a word) just before it would
-    /// arrive at the given barrier of the given collective.
+    /// A rank that dies (leaves without a word, as `absent_ranks` makes a
+    /// kernel do) just before it would arrive at the given barrier of the
+    /// given collective.
     dies: Option<(usize, u32, BarrierKind)>,
+    /// A rank that is late: it yields this many times before its first
+    /// input copy. Under loom a yield hands the processor to the other
+    /// ranks, so this is how a slow peer is modelled.
+    late: Option<(usize, u32)>,
 }
 
 impl Protocol {
-    const fn new(world: usize, len: usize, collectives: u32, two_stage: bool) -> Self {
+    /// The protocol of `device/src/kernels.rs`, under its hardware
+    /// assumptions.
+    const fn kernels(world: usize, len: usize, collectives: u32, two_stage: bool) -> Self {
         Protocol {
             world,
             len,
             collectives,
             two_stage,
-            end_barrier: true,
-            mid_barrier: true,
+            start: Order::ArrivalOnly,
+            mid: if two_stage {
+                Some(Order::Publish)
+            } else {
+                None
+            },
+            end: if two_stage {
+                None
+            } else {
+                Some(Order::ArrivalOnly)
+            },
+            hw: Hw::ALL,
             timeout_ns: 0,
             epoch_before: 0,
             dies: None,
+            late: None,
+        }
+    }
+
+    /// The brief's protocol: release/acquire everywhere, an end barrier in
+    /// both algorithms, nothing assumed of the hardware.
+    const fn release_acquire(world: usize, len: usize, collectives: u32, two_stage: bool) -> Self {
+        Protocol {
+            start: Order::Publish,
+            mid: if two_stage {
+                Some(Order::Publish)
+            } else {
+                None
+            },
+            end: Some(Order::Publish),
+            hw: Hw::NONE,
+            ..Self::kernels(world, len, collectives, two_stage)
+        }
+    }
+
+    fn order(&self, kind: BarrierKind) -> Option<Order> {
+        match kind {
+            BarrierKind::Start => Some(self.start),
+            BarrierKind::Mid => self.mid,
+            BarrierKind::End => self.end,
         }
     }
 }
@@ -197,35 +305,66 @@ enum Stop {
     TimedOut,
 }
 
-impl Rank<'_> {
+impl<'a> Rank<'a> {
+    fn new(world: &'a [RankMem], me: usize, p: Protocol) -> Self {
+        Rank {
+            world,
+            me,
+            p,
+            clock: StepClock { now: 0 },
+        }
+    }
+
+    /// The end of a stream operation (input copy or kernel).
+    fn stream_boundary(&self) {
+        if self.p.hw.stream_order {
+            fence(Ordering::Release);
+        }
+    }
+
     fn barrier(&mut self, c: u32, kind: BarrierKind, epoch: u32) -> Result<(), Stop> {
+        let Some(order) = self.p.order(kind) else {
+            return Ok(());
+        };
         if self.p.dies == Some((self.me, c, kind)) {
             return Err(Stop::Died);
         }
-        for peer in self.world {
-            arrive(peer.slot(kind, self.me), epoch);
+        let relaxed = order == Order::ArrivalOnly;
+        if relaxed && kind == BarrierKind::End && self.p.hw.reads_done_before_end {
+            fence(Ordering::Release);
+        }
+        // The kernels also exchange a flag with their own signal; it is
+        // written and read by one thread in program order, so the model
+        // leaves it out to keep loom's search small.
+        for (peer, mem) in self.world.iter().enumerate() {
+            if peer != self.me {
+                arrive_ordered(mem.slot(kind, self.me), epoch, order);
+            }
         }
         let own = &self.world[self.me];
         let mut failed = false;
-        for peer in 0..self.p.world {
+        for peer in (0..self.p.world).filter(|&p| p != self.me) {
             // Every peer is waited for, even after a timeout, as the
             // kernel's threads wait side by side.
-            if wait(
+            let w = wait_ordered(
                 own.slot(kind, peer),
                 epoch,
                 self.p.timeout_ns,
                 &mut self.clock,
-            ) == Wait::TimedOut
-            {
+                order,
+            );
+            if w == Wait::TimedOut {
                 record_error(own, self.me, peer, epoch, kind);
                 failed = true;
             }
         }
         if failed {
-            Err(Stop::TimedOut)
-        } else {
-            Ok(())
+            return Err(Stop::TimedOut);
         }
+        if relaxed && self.p.hw.polls_gate_accesses {
+            fence(Ordering::Acquire);
+        }
+        Ok(())
     }
 
     fn read(cell: &UnsafeCell<u32>) -> u32 {
@@ -247,8 +386,8 @@ impl Rank<'_> {
             assert_eq!(
                 v,
                 input_value(c, r, i),
-                "rank {} collective {c}: input {i} of rank {r} read before it was written \
-                 for this collective (or after it was overwritten)",
+                "rank {} collective {c}: input {i} of rank {r} is stale: read before it was \
+                 written for this collective, or after it was overwritten",
                 self.me
             );
             acc = acc.wrapping_add(v);
@@ -256,110 +395,108 @@ impl Rank<'_> {
         acc
     }
 
-    fn run(mut self) -> Outcome {
+    /// One kernel: the collective `c` with this rank's input in place.
+    fn kernel(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
         let (n, len) = (self.p.world, self.p.len);
+        self.barrier(c, BarrierKind::Start, epoch)?;
+        if !self.p.two_stage {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = self.reduce(c, i);
+            }
+        } else {
+            let (s, e) = partition(len as u64, n as u32, self.me as u32);
+            for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
+                *o = self.reduce(c, i);
+                Self::write(&self.world[self.me].scratch[i], *o);
+            }
+            self.barrier(c, BarrierKind::Mid, epoch)?;
+            for k in 1..n {
+                let owner = (self.me + k) % n;
+                let (s, e) = partition(len as u64, n as u32, owner as u32);
+                for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
+                    *o = Self::read(&self.world[owner].scratch[i]);
+                    assert_eq!(
+                        *o,
+                        expected_sum(c, n, i),
+                        "rank {} collective {c}: scratch {i} of rank {owner} is stale",
+                        self.me
+                    );
+                }
+            }
+        }
+        self.barrier(c, BarrierKind::End, epoch)
+    }
+
+    fn run(mut self) -> Outcome {
         let mut epoch = self.p.epoch_before;
-        let mut out = vec![0u32; len];
+        let mut out = vec![0u32; self.p.len];
+        if let Some((rank, yields)) = self.p.late {
+            if rank == self.me {
+                for _ in 0..yields {
+                    loom::thread::yield_now();
+                }
+            }
+        }
         for c in 0..self.p.collectives {
-            epoch = next_epoch(epoch);
-            assert_ne!(epoch, 0, "epoch 0 would match zeroed flags");
-            for i in 0..len {
+            // The input copy: a stream operation before the kernel.
+            for i in 0..self.p.len {
                 Self::write(&self.world[self.me].input[i], input_value(c, self.me, i));
             }
-            if let Err(stop) = self.barrier(c, BarrierKind::Start, epoch) {
-                return self.stopped(stop);
-            }
-            if !self.p.two_stage {
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = self.reduce(c, i);
-                }
-            } else {
-                let (s, e) = partition(len as u64, n as u32, self.me as u32);
-                for i in s as usize..e as usize {
-                    out[i] = self.reduce(c, i);
-                    Self::write(&self.world[self.me].scratch[i], out[i]);
-                }
-                if self.p.mid_barrier {
-                    if let Err(stop) = self.barrier(c, BarrierKind::Mid, epoch) {
-                        return self.stopped(stop);
-                    }
-                }
-                for k in 1..n {
-                    let owner = (self.me + k) % n;
-                    let (s, e) = partition(len as u64, n as u32, owner as u32);
-                    for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
-                        *o = Self::read(&self.world[owner].scratch[i]);
-                        assert_eq!(
-                            *o,
-                            expected_sum(c, n, i),
-                            "rank {} collective {c}: scratch {i} of rank {owner} is stale",
-                            self.me
-                        );
-                    }
+            self.stream_boundary();
+            epoch = next_epoch(epoch);
+            assert_ne!(epoch, 0, "epoch 0 would match zeroed flags");
+            match self.kernel(c, epoch, &mut out) {
+                Ok(()) => {}
+                Err(Stop::Died) => return Outcome::Died,
+                Err(Stop::TimedOut) => {
+                    let own = &self.world[self.me];
+                    assert_eq!(
+                        own.error.code.load(Ordering::Acquire),
+                        error_code::PEER_TIMEOUT
+                    );
+                    // SAFETY: this rank's record is written only by this rank.
+                    return Outcome::Failed(own.error.record.with(|r| unsafe { *r }));
                 }
             }
-            if self.p.end_barrier {
-                if let Err(stop) = self.barrier(c, BarrierKind::End, epoch) {
-                    return self.stopped(stop);
-                }
-            }
+            self.stream_boundary();
             for (i, &o) in out.iter().enumerate() {
-                assert_eq!(
-                    o,
-                    expected_sum(c, n, i),
-                    "rank {} collective {c} element {i}",
-                    self.me
-                );
+                let want = expected_sum(c, self.p.world, i);
+                assert_eq!(o, want, "rank {} collective {c} element {i}", self.me);
             }
         }
         Outcome::Done(out)
     }
-
-    fn stopped(&self, stop: Stop) -> Outcome {
-        match stop {
-            Stop::Died => Outcome::Died,
-            Stop::TimedOut => {
-                let own = &self.world[self.me];
-                assert_eq!(
-                    own.error.code.load(Ordering::Acquire),
-                    error_code::PEER_TIMEOUT
-                );
-                // SAFETY: this rank's record is written only by this rank.
-                Outcome::Failed(own.error.record.with(|r| unsafe { *r }))
-            }
-        }
-    }
 }
 
-/// Runs every rank of `p` as a loom thread and returns their outcomes, in
-/// rank order. Joining every thread is the no-deadlock check: loom fails
-/// an execution in which some thread can never finish.
+/// Runs every rank of `p` and returns their outcomes, in rank order: rank 0
+/// on the model's main thread (one thread fewer for loom to interleave),
+/// the others on loom threads. Joining every thread is the no-deadlock
+/// check: loom fails an execution in which some thread can never finish.
 fn run_world(p: Protocol) -> Vec<Outcome> {
     let world: Arc<Vec<RankMem>> =
         Arc::new((0..p.world).map(|_| RankMem::new(p.world, p.len)).collect());
-    let handles: Vec<_> = (0..p.world)
+    let handles: Vec<_> = (1..p.world)
         .map(|me| {
             let world = world.clone();
-            loom::thread::spawn(move || {
-                Rank {
-                    world: &world,
-                    me,
-                    p,
-                    clock: StepClock { now: 0 },
-                }
-                .run()
-            })
+            loom::thread::spawn(move || Rank::new(&world, me, p).run())
         })
         .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
+    let first = Rank::new(&world, 0, p).run();
+    std::iter::once(first)
+        .chain(
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked")),
+        )
         .collect()
 }
 
 fn builder(preemptions: usize) -> Builder {
     let mut b = Builder::new();
     b.preemption_bound = Some(preemptions);
+    // Every failed poll is a yield, i.e. a thread switch; three ranks
+    // polling each other need more switches per execution than the default.
+    b.max_branches = 20_000;
     b
 }
 
@@ -379,28 +516,47 @@ fn model_completes(p: Protocol, preemptions: usize) {
     });
 }
 
+// Search bounds. Loom's race check on the buffers compares vector clocks
+// (happens-before), not the order in which the accesses happened to run, so
+// a missing ordering edge is reported on any explored execution that
+// performs both accesses; the preemption bound limits which schedules are
+// tried, not what a race looks like. Every failed poll is a yield, at which
+// loom branches over the other ranks, so the search grows fast with ranks:
+// two ranks run with 2-3 preemptions, three ranks with none (with one, a
+// three-rank one-stage model of a single collective had not finished after
+// 10 minutes and 100k executions in a debug build; with none it takes ~1.5k
+// executions).
+
 #[test]
-fn one_stage_two_ranks_two_collectives() {
-    model_completes(Protocol::new(2, 2, 2, false), 3);
+fn kernels_one_stage_two_ranks_two_collectives() {
+    model_completes(Protocol::kernels(2, 2, 2, false), 3);
 }
 
 #[test]
-fn one_stage_three_ranks_two_collectives() {
-    model_completes(Protocol::new(3, 1, 2, false), 2);
+fn kernels_one_stage_three_ranks_two_collectives() {
+    model_completes(Protocol::kernels(3, 1, 2, false), 0);
 }
 
+/// Two collectives, so that scratch is reused without an end barrier.
 #[test]
-fn two_stage_two_ranks_two_collectives() {
+fn kernels_two_stage_two_ranks_two_collectives() {
     // Three elements: partitions of unequal size (2 and 1).
-    model_completes(Protocol::new(2, 3, 2, true), 2);
+    model_completes(Protocol::kernels(2, 3, 2, true), 3);
 }
 
 #[test]
-fn two_stage_three_ranks() {
-    // Three ranks, two collectives and three barriers each is beyond a
-    // reasonable exhaustive run; one collective with preemption bound 2
-    // still checks the mid barrier's scratch visibility and the end barrier.
-    model_completes(Protocol::new(3, 3, 1, true), 2);
+fn kernels_two_stage_three_ranks_two_collectives() {
+    model_completes(Protocol::kernels(3, 3, 2, true), 0);
+}
+
+#[test]
+fn release_acquire_one_stage_two_ranks_two_collectives() {
+    model_completes(Protocol::release_acquire(2, 2, 2, false), 2);
+}
+
+#[test]
+fn release_acquire_two_stage_two_ranks_two_collectives() {
+    model_completes(Protocol::release_acquire(2, 3, 2, true), 2);
 }
 
 /// Epochs wrap from u32::MAX to 1 (never 0, the value of zeroed flags),
@@ -409,23 +565,27 @@ fn two_stage_three_ranks() {
 fn epochs_wrap_past_zero() {
     assert_eq!(next_epoch(u32::MAX), 1);
     assert_eq!(next_epoch(0), 1);
+    assert_eq!(next_epoch(41), 42);
     let p = Protocol {
         epoch_before: u32::MAX - 1,
-        ..Protocol::new(2, 1, 3, false)
+        ..Protocol::kernels(2, 1, 3, false)
     };
     model_completes(p, 2);
 }
 
-/// Runs a model in which some rank dies; `check` sees the outcomes of
-/// every execution loom explores.
-fn model_with_death(p: Protocol, preemptions: usize, check: fn(&[Outcome])) {
+// ---------------------------------------------------------------------------
+// Timeouts
+
+/// Runs a model in which some rank dies or is late; `check` sees the
+/// outcomes of every execution loom explores.
+fn model_with_fault(p: Protocol, preemptions: usize, check: fn(&[Outcome])) {
     builder(preemptions).check(move || check(&run_world(p)));
 }
 
-fn timeout_record(peer: u32, epoch: u32, kind: BarrierKind) -> ErrorRecord {
+fn timeout_record(rank: u32, peer: u32, epoch: u32, kind: BarrierKind) -> ErrorRecord {
     ErrorRecord {
         code: error_code::PEER_TIMEOUT,
-        rank: 0,
+        rank,
         block: 0,
         peer,
         epoch,
@@ -434,20 +594,22 @@ fn timeout_record(peer: u32, epoch: u32, kind: BarrierKind) -> ErrorRecord {
     }
 }
 
+const TIMEOUT_NS: u64 = NS_PER_CLOCK_READ / 2;
+
 /// Rank 1 never arrives: rank 0 must not hang, and leaves a record naming
 /// peer 1, the first epoch and the start barrier.
 #[test]
 fn dead_peer_at_start_times_out_with_record() {
     let p = Protocol {
-        timeout_ns: NS_PER_CLOCK_READ / 2,
+        timeout_ns: TIMEOUT_NS,
         dies: Some((1, 0, BarrierKind::Start)),
-        ..Protocol::new(2, 1, 1, false)
+        ..Protocol::kernels(2, 1, 1, false)
     };
-    model_with_death(p, 2, |o| {
+    model_with_fault(p, 2, |o| {
         assert_eq!(o[1], Outcome::Died);
         assert_eq!(
             o[0],
-            Outcome::Failed(timeout_record(1, 1, BarrierKind::Start))
+            Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Start))
         );
     });
 }
@@ -457,15 +619,32 @@ fn dead_peer_at_start_times_out_with_record() {
 #[test]
 fn dead_peer_at_end_times_out_with_record() {
     let p = Protocol {
-        timeout_ns: NS_PER_CLOCK_READ / 2,
+        timeout_ns: TIMEOUT_NS,
         dies: Some((1, 1, BarrierKind::End)),
-        ..Protocol::new(2, 1, 2, false)
+        ..Protocol::kernels(2, 1, 2, false)
     };
-    model_with_death(p, 2, |o| {
+    model_with_fault(p, 2, |o| {
         assert_eq!(o[1], Outcome::Died);
         assert_eq!(
             o[0],
-            Outcome::Failed(timeout_record(1, 2, BarrierKind::End))
+            Outcome::Failed(timeout_record(0, 1, 2, BarrierKind::End))
+        );
+    });
+}
+
+/// Two-stage: rank 1 dies before the mid barrier; rank 0 names it there.
+#[test]
+fn dead_peer_at_mid_times_out_with_record() {
+    let p = Protocol {
+        timeout_ns: TIMEOUT_NS,
+        dies: Some((1, 0, BarrierKind::Mid)),
+        ..Protocol::kernels(2, 2, 1, true)
+    };
+    model_with_fault(p, 2, |o| {
+        assert_eq!(o[1], Outcome::Died);
+        assert_eq!(
+            o[0],
+            Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Mid))
         );
     });
 }
@@ -475,62 +654,114 @@ fn dead_peer_at_end_times_out_with_record() {
 #[test]
 fn dead_peer_among_three_is_named_by_both_survivors() {
     let p = Protocol {
-        timeout_ns: NS_PER_CLOCK_READ / 2,
+        timeout_ns: TIMEOUT_NS,
         dies: Some((2, 0, BarrierKind::Start)),
-        ..Protocol::new(3, 1, 1, false)
+        ..Protocol::kernels(3, 1, 1, false)
     };
-    model_with_death(p, 1, |o| {
+    model_with_fault(p, 1, |o| {
         assert_eq!(o[2], Outcome::Died);
         for (r, out) in o.iter().enumerate().take(2) {
-            let want = ErrorRecord {
-                rank: r as u32,
-                ..timeout_record(2, 1, BarrierKind::Start)
-            };
+            let want = timeout_record(r as u32, 2, 1, BarrierKind::Start);
             assert_eq!(out, &Outcome::Failed(want), "rank {r}");
         }
     });
 }
 
-/// With a finite timeout and every rank alive, loom also explores the
-/// schedules in which a peer is merely slow: every execution must end
-/// (no hang), and each rank either completes with the right sum or leaves a
-/// consistent record naming a real peer and a real barrier; a rank never
-/// reads a wrong value (checked inside the model).
+/// Two absent peers: the record is claimed once and keeps the first
+/// failure (peer 1) whole, not a mix of both.
 #[test]
-fn slow_peer_ends_in_success_or_consistent_timeout() {
+fn first_timeout_claims_the_record() {
     let p = Protocol {
-        timeout_ns: NS_PER_CLOCK_READ / 2,
-        ..Protocol::new(2, 1, 1, false)
+        timeout_ns: TIMEOUT_NS,
+        ..Protocol::kernels(3, 1, 1, false)
     };
-    builder(1).check(move || {
-        let outcomes = run_world(p);
-        for (r, o) in outcomes.iter().enumerate() {
+    builder(0).check(move || {
+        // Only rank 0 runs: ranks 1 and 2 never arrive.
+        let world: Vec<RankMem> = (0..3).map(|_| RankMem::new(3, 1)).collect();
+        let o = Rank::new(&world, 0, p).run();
+        assert_eq!(
+            o,
+            Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Start))
+        );
+    });
+}
+
+/// A live but late peer: rank 1 starts after rank 0's timeout has passed.
+/// Rank 0 must give up at the start barrier (it had already arrived at
+/// rank 1, so rank 1 gets through the start barrier and reads rank 0's
+/// input, which is still valid), and rank 1 must then give up at the end
+/// barrier instead of waiting for a rank that left: every rank ends, with a
+/// record naming the other one, and nobody reads a wrong value.
+#[test]
+fn late_peer_ends_in_consistent_timeouts() {
+    let p = Protocol {
+        timeout_ns: TIMEOUT_NS,
+        // Rank 0 gives up after POLLS_PER_CLOCK_READ polls; be later.
+        late: Some((1, 4 * POLLS_PER_CLOCK_READ)),
+        ..Protocol::kernels(2, 1, 1, false)
+    };
+    model_with_fault(p, 2, |o| {
+        assert_eq!(
+            o[0],
+            Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Start))
+        );
+        assert_eq!(
+            o[1],
+            Outcome::Failed(timeout_record(1, 0, 1, BarrierKind::End))
+        );
+    });
+}
+
+/// A peer that is about as late as the timeout: loom explores both
+/// endings. In each execution every rank must end, either done with the
+/// right sum or with a record naming the other rank at a real barrier of
+/// this collective; never a hang or a wrong read.
+#[test]
+fn barely_late_peer_ends_in_success_or_consistent_timeout() {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    static DONE: AtomicUsize = AtomicUsize::new(0);
+    static FAILED: AtomicUsize = AtomicUsize::new(0);
+    let p = Protocol {
+        timeout_ns: TIMEOUT_NS,
+        late: Some((1, POLLS_PER_CLOCK_READ)),
+        ..Protocol::kernels(2, 1, 1, false)
+    };
+    model_with_fault(p, 2, |o| {
+        for (r, o) in o.iter().enumerate() {
             match o {
-                Outcome::Done(v) => assert_eq!(v, &vec![expected_sum(0, 2, 0)], "rank {r}"),
+                Outcome::Done(v) => {
+                    assert_eq!(v, &vec![expected_sum(0, 2, 0)], "rank {r}");
+                    DONE.fetch_add(1, Relaxed);
+                }
                 Outcome::Failed(rec) => {
-                    assert_eq!(rec.code, error_code::PEER_TIMEOUT, "rank {r}: {rec:?}");
-                    assert_eq!(rec.rank, r as u32, "rank {r}: {rec:?}");
-                    assert_eq!(rec.epoch, 1, "rank {r}: {rec:?}");
-                    // A rank's own arrival is always there: only the other
-                    // rank can be the one that did not come.
-                    assert_eq!(rec.peer, 1 - r as u32, "rank {r}: {rec:?}");
+                    let kind = BarrierKind::from_u32(rec.barrier);
                     assert!(
-                        BarrierKind::from_u32(rec.barrier).is_some(),
-                        "rank {r}: {rec:?}"
+                        matches!(kind, Some(BarrierKind::Start | BarrierKind::End)),
+                        "{rec:?}"
                     );
+                    let want = timeout_record(r as u32, 1 - r as u32, 1, kind.unwrap());
+                    assert_eq!(rec, &want, "rank {r}");
+                    FAILED.fetch_add(1, Relaxed);
                 }
                 Outcome::Died => panic!("rank {r} died but none was told to"),
             }
         }
     });
+    let (done, failed) = (DONE.load(Relaxed), FAILED.load(Relaxed));
+    assert!(
+        done > 0 && failed > 0,
+        "endings seen: {done} done, {failed} timed out"
+    );
 }
+
+// ---------------------------------------------------------------------------
+// The model can fail: each barrier and each hardware assumption is needed.
 
 /// Runs a model that must fail, and returns loom's (or the model's) panic
 /// message; panics if every execution passed.
 fn model_failure(p: Protocol, preemptions: usize) -> String {
     let result = std::panic::catch_unwind(move || model_completes(p, preemptions));
-    let payload =
-        result.expect_err("the model passed without the barrier: it cannot detect the bug");
+    let payload = result.expect_err("the broken protocol passed: the model cannot detect it");
     if let Some(s) = payload.downcast_ref::<String>() {
         s.clone()
     } else if let Some(s) = payload.downcast_ref::<&str>() {
@@ -540,33 +771,102 @@ fn model_failure(p: Protocol, preemptions: usize) -> String {
     }
 }
 
-/// Without the end barrier a fast rank overwrites its input for the next
-/// collective while a slow peer still reads it: loom must find that
-/// execution. This (and the next test) proves the model can fail.
-#[test]
-fn one_stage_without_end_barrier_is_caught() {
-    let p = Protocol {
-        end_barrier: false,
-        ..Protocol::new(2, 1, 2, false)
-    };
-    let msg = model_failure(p, 2);
-    assert!(
-        msg.contains("Causality violation"),
-        "unexpected failure: {msg}"
-    );
-}
-
-/// Without the mid barrier a rank reads a peer's scratch before the peer
-/// wrote it: either loom sees the race, or the value read is the old one.
-#[test]
-fn two_stage_without_mid_barrier_is_caught() {
-    let p = Protocol {
-        mid_barrier: false,
-        ..Protocol::new(2, 2, 1, true)
-    };
-    let msg = model_failure(p, 2);
+/// A race on a buffer, as loom reports it, or a stale value, as the model
+/// reports it.
+fn assert_race(msg: &str) {
     assert!(
         msg.contains("Causality violation") || msg.contains("is stale"),
         "unexpected failure: {msg}"
     );
+}
+
+/// Without the end barrier a fast rank overwrites its input for the next
+/// collective while a slow peer still reads it.
+#[test]
+fn one_stage_without_end_barrier_is_caught() {
+    let p = Protocol {
+        end: None,
+        ..Protocol::kernels(2, 1, 2, false)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+#[test]
+fn one_stage_without_end_barrier_is_caught_with_three_ranks() {
+    let p = Protocol {
+        end: None,
+        ..Protocol::kernels(3, 1, 2, false)
+    };
+    assert_race(&model_failure(p, 0));
+}
+
+/// Without the mid barrier a rank reads a peer's scratch before the peer
+/// wrote it.
+#[test]
+fn two_stage_without_mid_barrier_is_caught() {
+    let p = Protocol {
+        mid: None,
+        ..Protocol::kernels(2, 2, 1, true)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// Mid must publish: the partial sums are written in the same kernel, so
+/// no stream boundary orders them before a relaxed arrival.
+#[test]
+fn two_stage_with_relaxed_mid_is_caught() {
+    let p = Protocol {
+        mid: Some(Order::ArrivalOnly),
+        ..Protocol::kernels(2, 2, 1, true)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// Under the C++ memory model alone the relaxed start barrier does not
+/// order the input copy before the peers' reads: the kernels' Start relies
+/// on `polls_gate_accesses`.
+#[test]
+fn relaxed_start_needs_polls_to_gate_accesses() {
+    let p = Protocol {
+        hw: Hw {
+            polls_gate_accesses: false,
+            ..Hw::ALL
+        },
+        ..Protocol::kernels(2, 1, 1, false)
+    };
+    assert_race(&model_failure(p, 1));
+}
+
+/// The relaxed end barrier relies on the reads being done before arrival.
+#[test]
+fn relaxed_end_needs_reads_done_before_arrival() {
+    let p = Protocol {
+        hw: Hw {
+            reads_done_before_end: false,
+            ..Hw::ALL
+        },
+        ..Protocol::kernels(2, 1, 2, false)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// The relaxed start barrier relies on the input copy (or whatever stream
+/// work wrote the input) being complete before the kernel starts. The
+/// same fence, at the end of a kernel, is what makes two-stage safe
+/// without an end barrier: a rank's arrival at the next start barrier is
+/// ordered after its stage-2 reads of peers' scratch only because the next
+/// kernel starts after this one completed. (Kernels that overlap on one
+/// rank, through programmatic dependent launch or several streams, would
+/// break that; a separate test cannot isolate it in this model because
+/// the two are one fence.)
+#[test]
+fn relaxed_start_needs_stream_order() {
+    let p = Protocol {
+        hw: Hw {
+            stream_order: false,
+            ..Hw::ALL
+        },
+        ..Protocol::kernels(2, 1, 1, false)
+    };
+    assert_race(&model_failure(p, 1));
 }

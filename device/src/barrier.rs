@@ -3,20 +3,22 @@
 //! `%globaltimer`, and the loom model runs the same code with loom atomics.
 //!
 //! Protocol for barrier kind K, block b, between rank r and peer p:
-//! 1. `arrive`: r stores the collective's epoch into p's signal at
-//!    `K[b][r]` with release semantics (all of r's earlier writes and reads
-//!    of this block are ordered before it);
-//! 2. `wait`: r polls its own signal at `K[b][p]` with acquire loads until it
-//!    holds the epoch, or until the timeout passes.
+//! 1. `arrive_ordered`: r stores the collective's epoch into p's signal at
+//!    `K[b][r]`, with release semantics where the barrier publishes data
+//!    ([`Order::Publish`]) and relaxed otherwise ([`Order::ArrivalOnly`]);
+//! 2. `wait_ordered`: r polls its own signal at `K[b][p]` with relaxed loads
+//!    until it holds the epoch (then, for `Publish`, reads it once more with
+//!    acquire), or until the timeout passes.
 //! Only plain stores and loads touch peer memory: PCIe peer-to-peer has no
-//! read-modify-write atomics.
+//! read-modify-write atomics. Which barrier uses which order, and the
+//! hardware and stream-order facts the relaxed ones rely on, are in
+//! docs/design.md; tests/loom_barrier.rs models both.
 //!
-//! Why equality is enough: within one flag set a peer can be at most one
-//! epoch ahead of the slot's reader only after the reader has passed that
-//! barrier (to write `End` for epoch e+1 the peer must pass `Start` for
-//! e+1, which needs the reader's arrival there, which comes after the
-//! reader's `End` wait for e). So a slot never skips the value being waited
-//! for.
+//! Why equality is enough: a peer writes the next epoch into a slot of set
+//! K only after passing the next `Start` barrier (or, for `Start` itself,
+//! after finishing this collective's last barrier), and both need this
+//! rank's arrival there, which comes after this rank's wait on the slot.
+//! So a slot never moves past the value being waited for.
 
 /// A 32-bit flag in memory another rank can see.
 pub trait FlagWord {

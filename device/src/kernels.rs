@@ -140,8 +140,8 @@ unsafe fn st_elem<E: Element>(base: u64, idx: u64, bits: u32) {
     }
 }
 
-/// Reduces the `tail` elements after the last whole pack, one per thread of
-/// the whole grid, in rank order, into `output`.
+/// Reduces the `tail` elements after the last whole pack (grid-stride over
+/// the whole grid), in rank order, into `output`.
 #[inline(always)]
 unsafe fn reduce_tail<E: Element, const N: usize>(
     t: &RankTable,
@@ -149,9 +149,12 @@ unsafe fn reduce_tail<E: Element, const N: usize>(
     first: u64,
     tail: u64,
     g: u64,
+    stride: u64,
 ) {
-    if g < tail {
-        let idx = first + g;
+    // Grid-stride, so any launch shape covers the (at most 7) tail elements.
+    let mut k = g;
+    while k < tail {
+        let idx = first + k;
         let mut acc = E::to_f32(ld_elem::<E>(t.inputs[0], idx));
         let mut r = 1;
         while r < N {
@@ -159,6 +162,7 @@ unsafe fn reduce_tail<E: Element, const N: usize>(
             r += 1;
         }
         st_elem::<E>(output, idx, E::from_f32(acc));
+        k += stride;
     }
 }
 
@@ -308,7 +312,7 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
 
     if !TWO_STAGE {
         reduce_range::<E, N, false>(&inputs, out, core::ptr::null_mut(), 0, s.packs, g, stride);
-        reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g);
+        reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g, stride);
         // No rank may return (and let its input be overwritten) while a peer
         // still reads it.
         block_barrier::<N>(
@@ -326,7 +330,7 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
         let (start, end) = partition(s.packs, N as u32, rank);
         let scratch = t.scratch[rank as usize] as *mut Pack;
         reduce_range::<E, N, true>(&inputs, scratch, out, start, end, g, stride);
-        reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g);
+        reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g, stride);
         // Block b of rank p wrote exactly the packs block b of this rank
         // reads below (same grid, same decomposition), so a per-block
         // barrier is enough.
