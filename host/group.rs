@@ -196,10 +196,108 @@ impl Health {
     }
 }
 
-/// Elements per chunk: the buffer capacity, rounded down to whole packs so
-/// every chunk boundary stays 16-byte aligned.
-pub(crate) fn chunk_elems(capacity_bytes: usize, dtype: Dtype) -> usize {
-    (capacity_bytes / crate::abi::PACK_BYTES) * dtype.lanes()
+/// `(offset, len)` in elements of the collectives a message of `count`
+/// elements is cut into: at most `capacity_bytes` each, rounded down to
+/// whole packs so every chunk boundary stays 16-byte aligned. An empty
+/// message is one empty collective (every rank still meets the others).
+pub(crate) fn chunks(
+    count: usize,
+    dtype: Dtype,
+    capacity_bytes: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let chunk = ((capacity_bytes / crate::abi::PACK_BYTES) * dtype.lanes()).max(1);
+    let n_chunks = count.div_ceil(chunk).max(1);
+    (0..n_chunks).map(move |k| (k * chunk, (count - k * chunk).min(chunk)))
+}
+
+/// Copies elements `[offset, offset + len)` of `src` to the start of a
+/// staging buffer, ordered on `stream`.
+///
+/// # Safety
+/// `src` must hold `offset + len` elements of `size` bytes and `staging` at
+/// least `len`.
+pub(crate) unsafe fn stage(
+    staging: u64,
+    src: u64,
+    offset: usize,
+    len: usize,
+    size: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        result::memcpy_dtod_async(
+            staging,
+            src + (offset * size) as u64,
+            len * size,
+            stream.cu_stream(),
+        )
+    }
+    .during("cuMemcpyDtoDAsync (staging)")
+}
+
+/// What one real rank (not virtual) needs to launch its kernel: shared by
+/// [`PeerGroup`] and [`crate::ProcessGroup`].
+pub(crate) struct RankLaunch<'a> {
+    pub kernels: &'a Kernels,
+    pub config: &'a Config,
+    pub world: usize,
+    pub rank: usize,
+    pub table: u64,
+    pub signals: [u64; MAX_RANKS],
+}
+
+impl RankLaunch<'_> {
+    /// # Safety
+    /// The table and signals must point at live buffers of this group and
+    /// `output` must be valid for `count` writes of `dtype`.
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        count: usize,
+        output: u64,
+        algo: Algorithm,
+    ) -> Result<()> {
+        let c = self.config;
+        let entry = Entry {
+            algorithm: algo,
+            dtype,
+            world: self.world,
+            virtual_ranks: false,
+        };
+        let blocks = blocks_for(
+            algo,
+            dtype,
+            count,
+            self.world,
+            c.threads_per_block,
+            c.max_blocks,
+        );
+        let mut args = LaunchArgs {
+            table: self.table,
+            signals: self.signals,
+            count: count as u64,
+            timeout_ns: c.timeout_ns(),
+            rank: self.rank as u32,
+            ..Default::default()
+        };
+        args.outputs[self.rank] = output;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            launch(
+                self.kernels,
+                stream,
+                entry,
+                (blocks, 1),
+                c.threads_per_block,
+                &args,
+            )
+        }
+    }
 }
 
 /// Registered (zero-copy) input buffers, one per rank, owned by this value.
@@ -383,38 +481,23 @@ impl VirtualGroup {
                 capacity: self.config.max_bytes,
             });
         }
-        let chunk = chunk_elems(self.config.max_bytes, dtype);
-        let mut off = 0usize;
-        loop {
-            let n = (count - off).min(chunk);
+        let mut used = Algorithm::OneStage;
+        for (off, n) in chunks(count, dtype, self.config.max_bytes) {
             for (r, &i) in inputs.iter().enumerate() {
-                if n > 0 {
-                    // SAFETY: caller guarantees inputs[r] holds `count`
-                    // elements; staging holds max_bytes >= n * size.
-                    unsafe {
-                        result::memcpy_dtod_async(
-                            self.ranks[r].staging.ptr(),
-                            i + (off * size) as u64,
-                            n * size,
-                            stream.cu_stream(),
-                        )
-                    }
-                    .during("cuMemcpyDtoDAsync (staging)")?;
-                }
+                // SAFETY: caller guarantees inputs[r] holds `count` elements;
+                // staging holds max_bytes >= n * size.
+                unsafe { stage(self.ranks[r].staging.ptr(), i, off, n, size, stream)? };
             }
             let outs: Vec<u64> = outputs.iter().map(|&o| o + (off * size) as u64).collect();
-            let used = self
+            used = self
                 .config
                 .thresholds
                 .choose(algo, n * size, self.world, Link::SameDevice);
             // SAFETY: staging/scratch/signals are this group's live buffers,
             // the outputs are valid per the caller's contract.
             unsafe { self.launch(stream, self.staged_table.ptr(), dtype, n, &outs, used, 0)? };
-            off += n;
-            if off >= count {
-                return Ok(used);
-            }
         }
+        Ok(used)
     }
 
     /// Allocates registered (zero-copy) input buffers of `len` elements per rank.
@@ -745,69 +828,37 @@ impl PeerGroup {
             check_aligned("output", r, p.0)?;
             outs.push(p);
         }
-        let chunk = chunk_elems(self.config.max_bytes, T::DTYPE);
-        let mut off = 0usize;
-        loop {
-            let n = (count - off).min(chunk);
-            let used = self
+        let mut used = Algorithm::OneStage;
+        for (off, n) in chunks(count, T::DTYPE, self.config.max_bytes) {
+            used = self
                 .config
                 .thresholds
                 .choose(algo, n * size, self.world, self.link);
-            let c = &self.config;
-            let blocks = blocks_for(
-                used,
-                T::DTYPE,
-                n,
-                self.world,
-                c.threads_per_block,
-                c.max_blocks,
-            );
             for (r, rank) in self.ranks.iter().enumerate() {
-                let entry = Entry {
-                    algorithm: used,
-                    dtype: T::DTYPE,
+                let l = RankLaunch {
+                    kernels: &rank.kernels,
+                    config: &self.config,
                     world: self.world,
-                    virtual_ranks: false,
-                };
-                if n > 0 {
-                    // SAFETY: input holds `count` elements, staging holds max_bytes >= n * size.
-                    unsafe {
-                        result::memcpy_dtod_async(
-                            rank.bufs.staging.ptr(),
-                            ins[r].0 + (off * size) as u64,
-                            n * size,
-                            streams[r].cu_stream(),
-                        )
-                    }
-                    .during("cuMemcpyDtoDAsync (staging)")?;
-                }
-                let mut args = LaunchArgs {
+                    rank: r,
                     table: rank.staged_table.ptr(),
                     signals: self.signals,
-                    count: n as u64,
-                    timeout_ns: c.timeout_ns(),
-                    rank: r as u32,
-                    ..Default::default()
                 };
-                args.outputs[r] = outs[r].0 + (off * size) as u64;
-                // SAFETY: table, staging, scratch and signals are this group's
-                // live buffers; the output holds `count` elements.
+                // SAFETY: input holds `count` elements, staging holds
+                // max_bytes >= n * size; table, scratch and signals are this
+                // group's live buffers; the output holds `count` elements.
                 unsafe {
-                    launch(
-                        &rank.kernels,
+                    stage(rank.bufs.staging.ptr(), ins[r].0, off, n, size, &streams[r])?;
+                    l.launch(
                         &streams[r],
-                        entry,
-                        (blocks, 1),
-                        c.threads_per_block,
-                        &args,
-                    )?
-                };
-            }
-            off += n;
-            if off >= count {
-                return Ok(used);
+                        T::DTYPE,
+                        n,
+                        outs[r].0 + (off * size) as u64,
+                        used,
+                    )?;
+                }
             }
         }
+        Ok(used)
     }
 
     /// Waits for every rank's stream and reports recorded kernel errors.
@@ -832,5 +883,43 @@ impl PeerGroup {
         }
         self.health.clear();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_message_on_pack_boundaries() {
+        assert_eq!(chunks(0, Dtype::F32, 64).collect::<Vec<_>>(), vec![(0, 0)]);
+        assert_eq!(
+            chunks(10, Dtype::F32, 1 << 20).collect::<Vec<_>>(),
+            vec![(0, 10)]
+        );
+        // 40 bytes of capacity hold two whole f32 packs: 8 elements.
+        assert_eq!(
+            chunks(20, Dtype::F32, 40).collect::<Vec<_>>(),
+            vec![(0, 8), (8, 8), (16, 4)]
+        );
+        for (count, dtype, cap) in [
+            (1_000_003usize, Dtype::Bf16, 65_536usize),
+            (77, Dtype::F16, 32),
+            (64, Dtype::F32, 256),
+        ] {
+            let v: Vec<_> = chunks(count, dtype, cap).collect();
+            let mut next = 0;
+            for &(off, n) in &v {
+                assert_eq!(off, next);
+                assert_eq!(
+                    (off * dtype.size()) % crate::abi::PACK_BYTES,
+                    0,
+                    "chunk starts off a pack boundary"
+                );
+                assert!(n * dtype.size() <= cap);
+                next = off + n;
+            }
+            assert_eq!(next, count);
+        }
     }
 }

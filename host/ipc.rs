@@ -6,17 +6,16 @@
 //! peer's handles. A rank then launches the real-rank kernel entries on its
 //! own stream, exactly like a [`crate::PeerGroup`] rank.
 
-use crate::abi::{Algorithm, Dtype, LaunchArgs, RankTable, Signal, MAX_RANKS};
+use crate::abi::{Algorithm, RankTable, Signal, MAX_RANKS};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::error::{Context as _, Error, Result};
 use crate::exchange::Exchange;
 use crate::group::{
-    check_aligned, check_world, chunk_elems, launch, read_error_records, DeviceElement, Health,
-    RankBuffers,
+    check_aligned, check_world, chunks, read_error_records, stage, DeviceElement, Health,
+    RankBuffers, RankLaunch,
 };
-use crate::plan::{blocks_for, AlgoChoice, Config, Link};
-use crate::ptx::Entry;
-use cudarc::driver::{result, sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use crate::plan::{AlgoChoice, Config, Link};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 const MAGIC: u32 = 0x7032_7061; // "p2pa"
@@ -300,81 +299,29 @@ impl ProcessGroup {
         let (inp, _gi) = input.device_ptr(stream);
         let (out, _go) = output.device_ptr_mut(stream);
         check_aligned("output", self.rank, out)?;
-        let chunk = chunk_elems(self.config.max_bytes, T::DTYPE);
-        let mut off = 0usize;
-        loop {
-            let n = (count - off).min(chunk);
-            let used = self
+        let l = RankLaunch {
+            kernels: &self.kernels,
+            config: &self.config,
+            world: self.world,
+            rank: self.rank,
+            table: self.table.ptr(),
+            signals: self.signals,
+        };
+        let mut used = Algorithm::OneStage;
+        for (off, n) in chunks(count, T::DTYPE, self.config.max_bytes) {
+            used = self
                 .config
                 .thresholds
                 .choose(algo, n * size, self.world, self.link);
-            if n > 0 {
-                // SAFETY: input holds `count` elements; staging holds max_bytes >= n * size.
-                unsafe {
-                    result::memcpy_dtod_async(
-                        self.own.staging.ptr(),
-                        inp + (off * size) as u64,
-                        n * size,
-                        stream.cu_stream(),
-                    )
-                }
-                .during("cuMemcpyDtoDAsync (staging)")?;
-            }
-            // SAFETY: the output holds `count` elements; the table and signals
+            // SAFETY: input holds `count` elements, staging max_bytes >= n *
+            // size; the output holds `count` elements; the table and signals
             // point at this group's live (own or opened) buffers.
-            unsafe { self.launch(stream, T::DTYPE, n, out + (off * size) as u64, used)? };
-            off += n;
-            if off >= count {
-                return Ok(used);
+            unsafe {
+                stage(self.own.staging.ptr(), inp, off, n, size, stream)?;
+                l.launch(stream, T::DTYPE, n, out + (off * size) as u64, used)?;
             }
         }
-    }
-
-    /// # Safety
-    /// `output` must be valid for `count` writes of `dtype`.
-    unsafe fn launch(
-        &self,
-        stream: &CudaStream,
-        dtype: Dtype,
-        count: usize,
-        output: u64,
-        algo: Algorithm,
-    ) -> Result<()> {
-        let c = &self.config;
-        let entry = Entry {
-            algorithm: algo,
-            dtype,
-            world: self.world,
-            virtual_ranks: false,
-        };
-        let blocks = blocks_for(
-            algo,
-            dtype,
-            count,
-            self.world,
-            c.threads_per_block,
-            c.max_blocks,
-        );
-        let mut args = LaunchArgs {
-            table: self.table.ptr(),
-            signals: self.signals,
-            count: count as u64,
-            timeout_ns: c.timeout_ns(),
-            rank: self.rank as u32,
-            ..Default::default()
-        };
-        args.outputs[self.rank] = output;
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            launch(
-                &self.kernels,
-                stream,
-                entry,
-                (blocks, 1),
-                c.threads_per_block,
-                &args,
-            )
-        }
+        Ok(used)
     }
 
     /// Waits for `stream`, then reports an error this rank's kernels recorded.
