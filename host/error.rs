@@ -86,6 +86,12 @@ pub enum Error {
     #[error("kernel on rank {rank} reported a bad launch shape (block {block}): this is a bug in p2p-allreduce")]
     BadLaunch { rank: usize, block: u32 },
 
+    #[error(
+        "rank {rank}: a CUDA graph ran an allreduce whose captured buffers were never registered: call \
+         register_captured() on every rank after capture and before the first launch"
+    )]
+    Unregistered { rank: usize },
+
     #[error("kernel on rank {rank} wrote an unknown error record {code}; the signal buffer may be corrupted")]
     UnknownKernelError { rank: usize, code: u32 },
 

@@ -6,7 +6,7 @@
 //! peer's handles. A rank then launches the real-rank kernel entries on its
 //! own stream, exactly like a [`crate::PeerGroup`] rank.
 
-use crate::abi::{Algorithm, RankTable, Signal, MAX_RANKS};
+use crate::abi::{Algorithm, Dtype, RankTable, Signal, MAX_RANKS};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::error::{Context as _, Error, Result};
 use crate::exchange::Exchange;
@@ -66,9 +66,56 @@ pub struct ProcessGroup {
     own: RankBuffers,
     _opened: Vec<Opened>,
     table: DeviceAlloc,
+    /// Host copy of `table`: the scratch pointers of every rank.
+    host_table: RankTable,
     signals: [u64; MAX_RANKS],
     link: Link,
     health: Health,
+    /// Pointer tables for allreduces captured in CUDA graphs, allocated up
+    /// front (allocation is not allowed during capture) and zeroed: a kernel
+    /// that finds a null input pointer reports `Error::Unregistered`.
+    graph_slots: DeviceAlloc,
+    graph: std::sync::Mutex<GraphState>,
+}
+
+/// Captured allreduces waiting for `register_captured`, and peer buffers
+/// opened for earlier ones.
+#[derive(Default)]
+struct GraphState {
+    used: usize,
+    pending: Vec<Pending>,
+    opened: Vec<(usize, [u8; HANDLE], Opened)>,
+}
+
+struct Pending {
+    slot: usize,
+    input: u64,
+    handle: [u8; HANDLE],
+    offset: u64,
+}
+
+/// How many allreduces one `ProcessGroup` can have captured in graphs.
+pub const GRAPH_SLOTS: usize = 1024;
+
+fn export_ptr(ptr: u64) -> Result<([u8; HANDLE], u64)> {
+    let mut base: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    // SAFETY: plain query; `ptr` is checked by the driver.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .during("cuMemGetAddressRange (input of a captured allreduce)")?;
+    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+    // SAFETY: `base` is the start of a live allocation; the handle is plain bytes.
+    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }
+        .result()
+        .during("cuIpcGetMemHandle (captured inputs must come from plain cuMemAlloc, not a stream-ordered pool)")?;
+    // SAFETY: zero-initialised and then written by the driver.
+    let h = unsafe { h.assume_init() };
+    let mut out = [0u8; HANDLE];
+    for (o, c) in out.iter_mut().zip(h.reserved.iter()) {
+        *o = *c as u8;
+    }
+    Ok((out, ptr - base))
 }
 
 fn export(a: &DeviceAlloc) -> Result<[u8; HANDLE]> {
@@ -257,9 +304,12 @@ impl ProcessGroup {
             own,
             _opened: opened,
             table: t,
+            host_table: table,
             signals,
             link,
             health: Health::new(),
+            graph_slots: DeviceAlloc::zeroed(ctx, GRAPH_SLOTS * std::mem::size_of::<RankTable>())?,
+            graph: std::sync::Mutex::new(GraphState::default()),
         })
     }
 
@@ -322,6 +372,195 @@ impl ProcessGroup {
             }
         }
         Ok(used)
+    }
+
+    /// [`ProcessGroup::allreduce`] after checking, through `exchange`, that
+    /// every rank passes the same dtype, element count and algorithm choice.
+    /// A mismatch is `Error::RankMismatch` on every rank, before any kernel
+    /// runs (without the check, a different count would end in a peer
+    /// timeout and a different dtype in wrong sums). Costs one host
+    /// round trip per call: for debugging and for first calls.
+    pub fn allreduce_checked<T: DeviceElement>(
+        &self,
+        exchange: &dyn Exchange,
+        stream: &Arc<CudaStream>,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        let code = |a: AlgoChoice| match a {
+            AlgoChoice::Auto => 0u8,
+            AlgoChoice::OneStage => 1,
+            AlgoChoice::TwoStage => 2,
+        };
+        let mut mine = vec![T::DTYPE as u32 as u8, code(algo)];
+        mine.extend_from_slice(&(input.len() as u64).to_le_bytes());
+        let all = exchange.all_gather(&mine)?;
+        let decode = |b: &[u8]| -> Option<(Dtype, u8, usize)> {
+            let first = *b.first()?;
+            let dtype = Dtype::ALL.into_iter().find(|d| *d as u32 as u8 == first)?;
+            let count = u64::from_le_bytes(b.get(2..10)?.try_into().ok()?) as usize;
+            Some((dtype, *b.get(1)?, count))
+        };
+        let (dtype0, algo0, count0) = decode(&all[0])
+            .ok_or_else(|| Error::Rendezvous("rank 0 sent a malformed call record".into()))?;
+        for (r, b) in all.iter().enumerate() {
+            let (dtype, a, count) = decode(b).ok_or_else(|| {
+                Error::Rendezvous(format!("rank {r} sent a malformed call record"))
+            })?;
+            if (dtype, count) != (dtype0, count0) {
+                return Err(Error::RankMismatch {
+                    rank: r,
+                    dtype,
+                    count,
+                    dtype0,
+                    count0,
+                });
+            }
+            if a != algo0 {
+                return Err(Error::GroupMismatch {
+                    rank: self.rank,
+                    other: r,
+                    what: "the algorithm choice of this allreduce differs".into(),
+                });
+            }
+        }
+        self.allreduce(stream, input, output, algo)
+    }
+
+    /// Zero-copy allreduce for CUDA-graph capture: peers read `input` itself.
+    /// `stream` must be capturing. The kernel's pointer table is a slot that
+    /// [`ProcessGroup::register_captured`] fills after capture, once the
+    /// ranks have exchanged IPC handles of the captured buffers; launching the
+    /// graph before that is reported as `Error::Unregistered`, not a crash.
+    /// Every rank must capture the same allreduces in the same order.
+    ///
+    /// # Safety
+    /// `input` and `output` must stay valid for `count` elements of `dtype`
+    /// for as long as the graph can be launched; `input` must come from plain
+    /// `cuMemAlloc` (CUDA IPC cannot export stream-ordered pool memory) and
+    /// must not be written while a replay runs.
+    pub unsafe fn allreduce_in_graph(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        count: usize,
+        input: u64,
+        output: u64,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        let status = stream.capture_status().during("cuStreamGetCaptureInfo")?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+            return Err(Error::Config(
+                "allreduce_in_graph needs a stream that is capturing a CUDA graph; use allreduce outside capture".into(),
+            ));
+        }
+        check_aligned("input", self.rank, input)?;
+        check_aligned("output", self.rank, output)?;
+        let bytes = count * dtype.size();
+        let mut used = self
+            .config
+            .thresholds
+            .choose(algo, bytes, self.world, self.link);
+        if used == Algorithm::TwoStage && bytes > self.config.max_bytes {
+            // One-stage needs no scratch and gives the same bits.
+            used = Algorithm::OneStage;
+        }
+        let (handle, offset) = export_ptr(input)?;
+        let mut g = self.graph.lock().unwrap_or_else(|p| p.into_inner());
+        if g.used == GRAPH_SLOTS {
+            return Err(Error::Config(format!(
+                "more than {GRAPH_SLOTS} allreduces captured by one ProcessGroup"
+            )));
+        }
+        let slot = g.used;
+        g.used += 1;
+        g.pending.push(Pending {
+            slot,
+            input,
+            handle,
+            offset,
+        });
+        let l = RankLaunch {
+            kernels: &self.kernels,
+            config: &self.config,
+            world: self.world,
+            rank: self.rank,
+            table: self.graph_slots.ptr() + (slot * std::mem::size_of::<RankTable>()) as u64,
+            signals: self.signals,
+        };
+        // SAFETY: the slot lies inside `graph_slots`; input and output are
+        // valid per the caller's contract; signals and scratch are live.
+        unsafe { l.launch(stream, dtype, count, output, used)? };
+        Ok(used)
+    }
+
+    /// After capture: exchanges the IPC handles of every input captured by
+    /// [`ProcessGroup::allreduce_in_graph`] since the last call, opens the
+    /// peers' buffers (once per buffer) and fills the pointer tables the
+    /// captured kernels read. Every rank calls it after the same captures.
+    /// Returns how many captured allreduces were registered.
+    pub fn register_captured(&self, exchange: &dyn Exchange) -> Result<usize> {
+        let mut g = self.graph.lock().unwrap_or_else(|p| p.into_inner());
+        let mut mine = Vec::with_capacity(g.pending.len() * (HANDLE + 8));
+        for p in &g.pending {
+            mine.extend_from_slice(&p.handle);
+            mine.extend_from_slice(&p.offset.to_le_bytes());
+        }
+        let all = exchange.all_gather(&mine)?;
+        for (r, b) in all.iter().enumerate() {
+            if b.len() != mine.len() {
+                return Err(Error::GroupMismatch {
+                    rank: self.rank,
+                    other: r,
+                    what: format!(
+                        "it captured {} allreduces, this rank {}",
+                        b.len() / (HANDLE + 8),
+                        g.pending.len()
+                    ),
+                });
+            }
+        }
+        let pending = std::mem::take(&mut g.pending);
+        let n = pending.len();
+        for (i, p) in pending.iter().enumerate() {
+            let mut t = RankTable {
+                inputs: [0; MAX_RANKS],
+                scratch: self.host_table.scratch,
+            };
+            for (r, b) in all.iter().enumerate() {
+                if r == self.rank {
+                    t.inputs[r] = p.input;
+                    continue;
+                }
+                let rec = &b[i * (HANDLE + 8)..(i + 1) * (HANDLE + 8)];
+                let mut handle = [0u8; HANDLE];
+                handle.copy_from_slice(&rec[..HANDLE]);
+                let offset = u64::from_le_bytes(rec[HANDLE..].try_into().unwrap_or_default());
+                let base = match g.opened.iter().find(|(pr, h, _)| *pr == r && *h == handle) {
+                    Some((_, _, o)) => o.ptr,
+                    None => {
+                        let o = open(&self.ctx, &handle)?;
+                        let ptr = o.ptr;
+                        g.opened.push((r, handle, o));
+                        ptr
+                    }
+                };
+                t.inputs[r] = base + offset;
+            }
+            let off = p.slot * std::mem::size_of::<RankTable>();
+            self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+            // SAFETY: the slot lies inside `graph_slots`; RankTable is plain data.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_sync(
+                    self.graph_slots.ptr() + off as u64,
+                    std::slice::from_ref(&t),
+                )
+            }
+            .during("cuMemcpyHtoD (graph pointer table)")?;
+        }
+        Ok(n)
     }
 
     /// Waits for `stream`, then reports an error this rank's kernels recorded.

@@ -880,8 +880,117 @@ fn ipc_child(rank: usize) -> i32 {
                 done += 1;
             }
         }
+        // Checked calls: agreeing ranks go through, a rank with another
+        // length is refused on every rank before any kernel runs.
+        let ones = stream
+            .clone_htod(&vec![1.0f32; 64])
+            .map_err(|e| e.to_string())?;
+        let mut out = stream
+            .clone_htod(&vec![poison::<f32>(); 64])
+            .map_err(|e| e.to_string())?;
+        group
+            .allreduce_checked(&ex, &stream, &ones, &mut out, AlgoChoice::Auto)
+            .map_err(|e| e.to_string())?;
+        group.check(&stream).map_err(|e| e.to_string())?;
+        let got = stream.clone_dtoh(&out).map_err(|e| e.to_string())?;
+        if got != vec![world as f32; 64] {
+            return Err(format!("checked allreduce gave {:?}", &got[..4]));
+        }
+        let len = if rank == 0 { 63 } else { 64 };
+        let short = stream
+            .clone_htod(&vec![1.0f32; len])
+            .map_err(|e| e.to_string())?;
+        match group.allreduce_checked(&ex, &stream, &short, &mut out, AlgoChoice::Auto) {
+            Err(Error::RankMismatch { .. }) => {}
+            other => {
+                return Err(format!(
+                    "mismatched lengths: expected RankMismatch, got {other:?}"
+                ))
+            }
+        }
+        // Zero-copy allreduces captured in a CUDA graph: launching before
+        // registration is a typed error; after register_captured every replay
+        // is bit-exact with new inputs.
+        let glen = 30_001usize;
+        let gin = driver::DeviceAlloc::zeroed(&ctx, glen * 4).map_err(|e| e.to_string())?;
+        let gout1 = driver::DeviceAlloc::zeroed(&ctx, glen * 4).map_err(|e| e.to_string())?;
+        let gout2 = driver::DeviceAlloc::zeroed(&ctx, glen * 4).map_err(|e| e.to_string())?;
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| e.to_string())?;
+        // SAFETY: the three buffers outlive the graph and hold glen f32.
+        let captured = unsafe {
+            group
+                .allreduce_in_graph(
+                    &stream,
+                    Dtype::F32,
+                    glen,
+                    gin.ptr(),
+                    gout1.ptr(),
+                    AlgoChoice::OneStage,
+                )
+                .and_then(|_| {
+                    group.allreduce_in_graph(
+                        &stream,
+                        Dtype::F32,
+                        glen,
+                        gin.ptr(),
+                        gout2.ptr(),
+                        AlgoChoice::TwoStage,
+                    )
+                })
+        };
+        let graph = stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| e.to_string())?;
+        captured.map_err(|e| e.to_string())?;
+        let graph = graph.ok_or("empty graph")?;
+        graph.launch().map_err(|e| e.to_string())?;
+        match group.check(&stream) {
+            Err(Error::Unregistered { .. }) => {}
+            other => {
+                return Err(format!(
+                    "graph before registration: expected Unregistered, got {other:?}"
+                ))
+            }
+        }
+        group.reset().map_err(|e| e.to_string())?;
+        let n = group.register_captured(&ex).map_err(|e| e.to_string())?;
+        if n != 2 {
+            return Err(format!("registered {n} captured allreduces, expected 2"));
+        }
+        for it in 0..20u64 {
+            let inputs = values::adversarial_inputs(Dtype::F32, world, glen, 900 + it, it % 3 == 0);
+            let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference::allreduce_bits(Dtype::F32, &refs);
+            gin.write(&inputs[rank]).map_err(|e| e.to_string())?;
+            gout1
+                .write(&vec![poison::<f32>().to_bits(); glen])
+                .map_err(|e| e.to_string())?;
+            gout2
+                .write(&vec![poison::<f32>().to_bits(); glen])
+                .map_err(|e| e.to_string())?;
+            // No host-side barrier around the replay: Start orders reads
+            // after every rank's write, and once this rank's graph has
+            // completed (End / Mid passed) no peer still reads its input.
+            graph.launch().map_err(|e| e.to_string())?;
+            group
+                .check(&stream)
+                .map_err(|e| format!("replay {it}: {e}"))?;
+            for o in [&gout1, &gout2] {
+                let mut got = vec![0u32; glen];
+                o.read(&mut got).map_err(|e| e.to_string())?;
+                if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, &got, &want) {
+                    return Err(format!(
+                        "graph replay {it}: element {i}: got {a:#x} want {b:#x}"
+                    ));
+                }
+            }
+        }
         Ok(format!(
-            "{done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32)"
+            "{done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32); \
+             checked mode accepts agreeing ranks and refuses a length mismatch; \
+             graph-captured zero-copy allreduces: Unregistered before register_captured, 20 replays bit-exact after"
         ))
     };
     match run() {

@@ -55,6 +55,9 @@ pub mod error_code {
     /// The launch shape is outside what the signal layout supports
     /// (more than [`super::MAX_BLOCKS`] blocks, or fewer threads than ranks).
     pub const BAD_LAUNCH: u32 = 2;
+    /// The pointer table holds a null input: a CUDA graph was launched
+    /// before its captured buffers were registered.
+    pub const UNREGISTERED: u32 = 3;
 }
 
 /// What a kernel leaves behind instead of hanging. The first failing thread of

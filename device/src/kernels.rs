@@ -284,6 +284,18 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
         inputs[r] = t.inputs[r] as *const Pack;
         r += 1;
     }
+    let mut missing = false;
+    let mut r = 0;
+    while r < N {
+        missing |= inputs[r].is_null();
+        r += 1;
+    }
+    if missing {
+        if tid == 0 {
+            record_error(own_sig, error_code::UNREGISTERED, rank, block, 0, 0, 0);
+        }
+        return;
+    }
     let output = pick::<N>(&a.outputs, rank);
     let out = output as *mut Pack;
     let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
