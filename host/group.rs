@@ -133,6 +133,11 @@ pub(crate) fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
                     block: rec.block,
                 })
             }
+            error_code::UNREGISTERED => {
+                return Err(Error::Unregistered {
+                    rank: rec.rank as usize,
+                })
+            }
             code => {
                 return Err(Error::UnknownKernelError {
                     rank: position,
