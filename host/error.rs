@@ -136,6 +136,9 @@ pub enum Error {
         what: String,
     },
 
+    #[error("NCCL: {0}")]
+    Nccl(String),
+
     #[error("invalid configuration: {0}")]
     Config(String),
 

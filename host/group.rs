@@ -40,6 +40,17 @@ impl DeviceElement for half::bf16 {
     const DTYPE: Dtype = Dtype::Bf16;
 }
 
+/// Element types that both the kernels and (with the `nccl` feature) NCCL take.
+#[cfg(feature = "nccl")]
+pub trait RoutedElement: DeviceElement + cudarc::nccl::NcclType {}
+#[cfg(feature = "nccl")]
+impl<T: DeviceElement + cudarc::nccl::NcclType> RoutedElement for T {}
+/// Element types that both the kernels and (with the `nccl` feature) NCCL take.
+#[cfg(not(feature = "nccl"))]
+pub trait RoutedElement: DeviceElement {}
+#[cfg(not(feature = "nccl"))]
+impl<T: DeviceElement> RoutedElement for T {}
+
 /// One rank's group-owned memory.
 pub(crate) struct RankBuffers {
     pub(crate) staging: DeviceAlloc,
@@ -711,6 +722,15 @@ pub struct PeerGroup {
     link: Link,
     ranks: Vec<PeerRank>,
     health: Health,
+    #[cfg(feature = "nccl")]
+    nccl: Option<crate::nccl::NcclGroup>,
+}
+
+/// Which path a routed allreduce took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Kernel(Algorithm),
+    Nccl,
 }
 
 struct PeerRank {
@@ -774,7 +794,43 @@ impl PeerGroup {
             link,
             ranks: out,
             health: Health::new(),
+            #[cfg(feature = "nccl")]
+            nccl: None,
         })
+    }
+
+    /// Creates NCCL communicators over `streams` (one per rank, distinct
+    /// GPUs), so that [`PeerGroup::allreduce_routed`] can hand messages
+    /// above `Config::nccl_above` to NCCL.
+    #[cfg(feature = "nccl")]
+    pub fn enable_nccl(&mut self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        check_count("streams", streams.len(), self.world)?;
+        self.nccl = Some(crate::nccl::NcclGroup::new(streams)?);
+        Ok(())
+    }
+
+    /// [`PeerGroup::allreduce`], except that under `AlgoChoice::Auto` a
+    /// message larger than `Config::nccl_above` goes to NCCL when it was
+    /// enabled. Without the `nccl` feature this is `allreduce`.
+    pub fn allreduce_routed<T: RoutedElement>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        inputs: &[&CudaSlice<T>],
+        outputs: &mut [CudaSlice<T>],
+        algo: AlgoChoice,
+    ) -> Result<Route> {
+        #[cfg(feature = "nccl")]
+        if let (Some(n), Some(above), AlgoChoice::Auto) = (&self.nccl, self.config.nccl_above, algo)
+        {
+            let bytes = inputs.first().map_or(0, |i| i.len() * T::DTYPE.size());
+            if bytes > above {
+                self.health.ensure_ok()?;
+                n.allreduce(inputs, outputs)?;
+                return Ok(Route::Nccl);
+            }
+        }
+        self.allreduce(streams, inputs, outputs, algo)
+            .map(Route::Kernel)
     }
 
     pub fn world(&self) -> usize {

@@ -40,6 +40,8 @@ pub mod exchange;
 pub mod group;
 pub mod ipc;
 pub mod measure;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod plan;
 pub mod ptx;
 pub mod ptxas;
@@ -49,6 +51,6 @@ pub mod validate;
 
 pub use error::{Error, Result};
 pub use exchange::{DirExchange, Exchange, InProcessExchange};
-pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, VirtualGroup};
+pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, Route, RoutedElement, VirtualGroup};
 pub use ipc::ProcessGroup;
 pub use plan::{AlgoChoice, Config, Link, Thresholds};

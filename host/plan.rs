@@ -117,6 +117,11 @@ pub struct Config {
     /// are refused with `Error::MessageTooLarge`.
     pub chunking: bool,
     pub thresholds: Thresholds,
+    /// With the `nccl` feature and NCCL enabled on a `PeerGroup`: messages
+    /// larger than this many bytes go to NCCL under `AlgoChoice::Auto`.
+    /// `None` (the default) never hands over: NCCL's results are not
+    /// bit-identical to the determinism contract.
+    pub nccl_above: Option<usize>,
 }
 
 impl Default for Config {
@@ -127,6 +132,7 @@ impl Default for Config {
             threads_per_block: 512,
             max_blocks: 16,
             chunking: true,
+            nccl_above: None,
             thresholds: Thresholds::default(),
         }
     }

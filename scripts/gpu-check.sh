@@ -22,7 +22,7 @@ for line in sys.stdin:
     except ValueError: continue
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["name"], m["executable"])'; }
-  cargo test --release --no-run --test gpu --message-format=json | exes | while read -r name exe; do
+  cargo test --release --no-run --test gpu --features nccl --message-format=json | exes | while read -r name exe; do
     cp "$exe" ".carry/bin/test-$name"
   done
   cargo bench --no-run --bench allreduce --message-format=json | exes | while read -r name exe; do
@@ -41,6 +41,14 @@ run)
   B=.carry/bin
   [ -x "$B/test-gpu" ] || { echo "gpu-check: $B/test-gpu missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
   status=0
+  # NCCL (feature `nccl` in test-gpu): cudarc looks for libnccl.so; the
+  # nvidia-nccl wheel ships libnccl.so.2, so link it under that name.
+  nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+  if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
+    mkdir -p /tmp/p2p-ar-nccl && ln -sf "$nccl_dir/libnccl.so.2" /tmp/p2p-ar-nccl/libnccl.so
+    export LD_LIBRARY_PATH=/tmp/p2p-ar-nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+  export NCCL_NVLS_ENABLE=0
   { nvidia-smi || true; } > "$OUT/nvidia-smi.txt" 2>&1
   set -o pipefail
   echo "== gpu suite"; timeout "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu" 2>&1 | tee "$OUT/gpu-suite.log" || status=1

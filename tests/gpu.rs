@@ -39,6 +39,8 @@ fn main() {
         ("user_errors_are_typed", user_errors),
         ("peer_group_real_rank_entries", peer_group),
         ("ipc_process_group_on_one_gpu", ipc_processes),
+        #[cfg(feature = "nccl")]
+        ("nccl_group_and_routing_world_1", nccl_routed),
     ];
     if let Ok(rank) = std::env::var("P2P_IPC_CHILD") {
         std::process::exit(ipc_child(rank.parse().expect("P2P_IPC_CHILD is a rank")));
@@ -1003,4 +1005,55 @@ fn ipc_child(rank: usize) -> i32 {
             1
         }
     }
+}
+
+/// NCCL through cudarc (feature `nccl`): one GPU allows a world of 1 only
+/// (NCCL refuses two ranks on one device), which still checks the wiring:
+/// the communicator, the group call, and `allreduce_routed`'s hand-over.
+#[cfg(feature = "nccl")]
+fn nccl_routed(g: &Gpu) {
+    use p2p_allreduce::nccl::NcclGroup;
+    use p2p_allreduce::Route;
+    let n = NcclGroup::new(std::slice::from_ref(&g.stream))
+        .expect("NCCL communicator (is libnccl.so on LD_LIBRARY_PATH?)");
+    let bits = values::adversarial_inputs(Dtype::F32, 1, 10_007, 5, false);
+    let input = upload::<f32>(g, &bits[0]);
+    let mut outs = vec![poisoned::<f32>(g, 10_007)];
+    n.allreduce(&[&input], &mut outs).expect("ncclAllReduce");
+    g.stream.synchronize().expect("sync");
+    assert_eq!(
+        download::<f32>(g, &outs[0], 10_007),
+        bits[0],
+        "NCCL world-1 allreduce is a copy"
+    );
+
+    let mut grp = PeerGroup::new(
+        std::slice::from_ref(&g.ctx),
+        Config {
+            nccl_above: Some(1024),
+            ..Config::default()
+        },
+    )
+    .expect("group");
+    grp.enable_nccl(std::slice::from_ref(&g.stream))
+        .expect("enable_nccl");
+    let streams = vec![g.stream.clone()];
+    for (len, want_route) in [
+        (10_007usize, Route::Nccl),
+        (100, Route::Kernel(Algorithm::OneStage)),
+    ] {
+        let mut outs = vec![poisoned::<f32>(g, len)];
+        let input = upload::<f32>(g, &bits[0][..len]);
+        let route = grp
+            .allreduce_routed(&streams, &[&input], &mut outs, AlgoChoice::Auto)
+            .expect("routed");
+        grp.check(&streams).expect("check");
+        assert_eq!(route, want_route, "len {len}");
+        assert_eq!(
+            download::<f32>(g, &outs[0], len),
+            bits[0][..len].to_vec(),
+            "len {len} via {route:?}"
+        );
+    }
+    println!("  NCCL world 1: allreduce correct; Auto hands messages above nccl_above to NCCL, smaller ones to the kernels");
 }
