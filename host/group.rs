@@ -255,6 +255,28 @@ pub(crate) unsafe fn stage(
     .during("cuMemcpyDtoDAsync (staging)")
 }
 
+/// The entry point and the blocks per rank for one collective; every rank
+/// computes the same values from the same arguments, as the barriers need.
+fn launch_shape(
+    c: &Config,
+    algo: Algorithm,
+    dtype: Dtype,
+    count: usize,
+    world: usize,
+    virtual_ranks: bool,
+) -> (Entry, u32) {
+    let entry = Entry {
+        algorithm: algo,
+        dtype,
+        world,
+        virtual_ranks,
+    };
+    (
+        entry,
+        blocks_for(algo, dtype, count, world, c.threads_per_block, c.max_blocks),
+    )
+}
+
 /// What one real rank (not virtual) needs to launch its kernel: shared by
 /// [`PeerGroup`] and [`crate::ProcessGroup`].
 pub(crate) struct RankLaunch<'a> {
@@ -279,20 +301,7 @@ impl RankLaunch<'_> {
         algo: Algorithm,
     ) -> Result<()> {
         let c = self.config;
-        let entry = Entry {
-            algorithm: algo,
-            dtype,
-            world: self.world,
-            virtual_ranks: false,
-        };
-        let blocks = blocks_for(
-            algo,
-            dtype,
-            count,
-            self.world,
-            c.threads_per_block,
-            c.max_blocks,
-        );
+        let (entry, blocks) = launch_shape(c, algo, dtype, count, self.world, false);
         let mut args = LaunchArgs {
             table: self.table,
             signals: self.signals,
@@ -337,6 +346,9 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
         self.len == 0
     }
     /// Device pointer of rank `rank`'s buffer (16-byte aligned).
+    ///
+    /// # Panics
+    /// If `rank` is not below the group's world size, like slice indexing.
     pub fn ptr(&self, rank: usize) -> u64 {
         self.bufs[rank].ptr()
     }
@@ -347,6 +359,13 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
         stream: &Arc<CudaStream>,
         src: &CudaSlice<T>,
     ) -> Result<()> {
+        if rank >= self.bufs.len() {
+            return Err(Error::RankCount {
+                what: "rank index (registered buffer)",
+                got: rank,
+                world: self.bufs.len(),
+            });
+        }
         if src.len() > self.len {
             return Err(Error::BufferTooSmall {
                 what: "registered buffer",
@@ -610,20 +629,7 @@ impl VirtualGroup {
         absent_ranks: u32,
     ) -> Result<()> {
         let c = &self.config;
-        let entry = Entry {
-            algorithm: algo,
-            dtype,
-            world: self.world,
-            virtual_ranks: true,
-        };
-        let blocks = blocks_for(
-            algo,
-            dtype,
-            count,
-            self.world,
-            c.threads_per_block,
-            c.max_blocks,
-        );
+        let (entry, blocks) = launch_shape(c, algo, dtype, count, self.world, true);
         let capacity = self
             .kernels
             .co_resident_blocks(entry, c.threads_per_block)?;

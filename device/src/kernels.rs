@@ -279,14 +279,11 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     // its latency overlaps the flag exchange.
     let t = &*(a.table as *const RankTable);
     let mut inputs = [core::ptr::null::<Pack>(); N];
-    let mut r = 0;
-    while r < N {
-        inputs[r] = t.inputs[r] as *const Pack;
-        r += 1;
-    }
+    // A null input means a graph-captured table that was never registered.
     let mut missing = false;
     let mut r = 0;
     while r < N {
+        inputs[r] = t.inputs[r] as *const Pack;
         missing |= inputs[r].is_null();
         r += 1;
     }
