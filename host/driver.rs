@@ -95,6 +95,12 @@ impl DeviceAlloc {
         unsafe { result::memset_d8_sync(ptr, 0, bytes.max(256)) }.during("cuMemsetD8")?;
         Ok(a)
     }
+    /// A new allocation holding exactly `value` (a table, a record).
+    pub fn from_value<T: Copy>(ctx: &Arc<CudaContext>, value: &T) -> Result<Self> {
+        let a = Self::zeroed(ctx, std::mem::size_of::<T>())?;
+        a.write(std::slice::from_ref(value))?;
+        Ok(a)
+    }
     pub fn ptr(&self) -> u64 {
         self.ptr
     }

@@ -7,6 +7,16 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// Ranks whose contribution has not arrived.
+fn missing_ranks<T>(slots: &[Option<T>]) -> Vec<usize> {
+    slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.is_none())
+        .map(|(r, _)| r)
+        .collect()
+}
+
 /// Every rank calls `all_gather` the same number of times, in the same order.
 pub trait Exchange {
     fn rank(&self) -> usize;
@@ -110,13 +120,7 @@ impl InProcessExchange {
     ) -> Result<std::sync::MutexGuard<'a, Round>> {
         let now = Instant::now();
         if now >= deadline {
-            let missing: Vec<usize> = st
-                .slots
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.is_none())
-                .map(|(r, _)| r)
-                .collect();
+            let missing = missing_ranks(&st.slots);
             return Err(Error::RendezvousTimeout {
                 missing,
                 waited: self.timeout,
@@ -223,12 +227,7 @@ impl Exchange for DirExchange {
                 return Ok(out.into_iter().map(Option::unwrap_or_default).collect());
             }
             if start.elapsed() > self.timeout {
-                let missing = out
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| s.is_none())
-                    .map(|(r, _)| r)
-                    .collect();
+                let missing = missing_ranks(&out);
                 return Err(Error::RendezvousTimeout {
                     missing,
                     waited: self.timeout,

@@ -422,8 +422,7 @@ impl VirtualGroup {
         let refs: Vec<&RankBuffers> = ranks.iter().collect();
         let t = table(|r| ranks[r].staging.ptr(), &refs);
         let signals = signal_ptrs(&refs);
-        let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
-        staged_table.write(std::slice::from_ref(&t))?;
+        let staged_table = DeviceAlloc::from_value(ctx, &t)?;
         Ok(VirtualGroup {
             world,
             config,
@@ -543,8 +542,7 @@ impl VirtualGroup {
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&RankBuffers> = self.ranks.iter().collect();
         let t = table(|r| bufs[r].ptr(), &refs);
-        let tab = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
-        tab.write(std::slice::from_ref(&t))?;
+        let tab = DeviceAlloc::from_value(ctx, &t)?;
         Ok(RegisteredBuffers {
             bufs,
             tables: vec![tab],
@@ -785,8 +783,7 @@ impl PeerGroup {
         let signals = signal_ptrs(&refs);
         let mut out = Vec::with_capacity(world);
         for (ctx, (kernels, bufs)) in contexts.iter().zip(ranks) {
-            let staged_table = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
-            staged_table.write(std::slice::from_ref(&t))?;
+            let staged_table = DeviceAlloc::from_value(ctx, &t)?;
             out.push(PeerRank {
                 kernels,
                 bufs,

@@ -293,8 +293,7 @@ impl ProcessGroup {
             signals[p] = g.ptr;
             opened.extend([s, c, g]);
         }
-        let t = DeviceAlloc::zeroed(ctx, std::mem::size_of::<RankTable>())?;
-        t.write(std::slice::from_ref(&table))?;
+        let t = DeviceAlloc::from_value(ctx, &table)?;
         Ok(ProcessGroup {
             rank,
             world,
