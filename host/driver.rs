@@ -152,6 +152,9 @@ pub struct Kernels {
     module: sys::CUmodule,
     pub ptx: &'static PtxModule,
     functions: Mutex<HashMap<Entry, usize>>,
+    /// Co-resident block capacity per (entry, threads): a fixed property of
+    /// the kernel and device, asked on every virtual launch.
+    capacity: Mutex<HashMap<(Entry, u32), u32>>,
 }
 
 // SAFETY: CUmodule and CUfunction handles are usable from any thread once the
@@ -195,6 +198,7 @@ impl Kernels {
             module,
             ptx,
             functions: Mutex::new(HashMap::new()),
+            capacity: Mutex::new(HashMap::new()),
         })
     }
 
@@ -214,6 +218,14 @@ impl Kernels {
 
     /// How many blocks of `threads` threads of `entry` fit on the whole GPU at once.
     pub fn co_resident_blocks(&self, entry: Entry, threads: u32) -> Result<u32> {
+        if let Some(c) = self
+            .capacity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(entry, threads))
+        {
+            return Ok(*c);
+        }
         let f = self.function(entry)?;
         let sms = self
             .ctx
@@ -223,7 +235,12 @@ impl Kernels {
         let per_sm =
             unsafe { result::occupancy::max_active_block_per_multiprocessor(f, threads as i32, 0) }
                 .during("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
-        Ok((per_sm.max(0) as u32) * sms as u32)
+        let c = (per_sm.max(0) as u32) * sms as u32;
+        self.capacity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((entry, threads), c);
+        Ok(c)
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {

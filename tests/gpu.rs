@@ -9,9 +9,9 @@
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use p2p_allreduce::abi::{Algorithm, BarrierKind, Dtype};
 use p2p_allreduce::reference::{self, values};
+use p2p_allreduce::validate::{self, Bits};
 use p2p_allreduce::{
-    driver, AlgoChoice, Config, DeviceElement, DirExchange, Error, PeerGroup, ProcessGroup,
-    VirtualGroup,
+    driver, AlgoChoice, Config, DirExchange, Error, PeerGroup, ProcessGroup, VirtualGroup,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -111,44 +111,10 @@ fn open_gpu() -> Result<Gpu, String> {
 }
 
 // ---------------------------------------------------------------------------
-// Typed helpers: element bits <-> T.
+// Typed helpers: element bits <-> T (the library's `validate::Bits`).
 
-trait Bits: DeviceElement {
-    fn from_bits32(b: u32) -> Self;
-    fn to_bits32(self) -> u32;
-}
-impl Bits for f32 {
-    fn from_bits32(b: u32) -> Self {
-        f32::from_bits(b)
-    }
-    fn to_bits32(self) -> u32 {
-        self.to_bits()
-    }
-}
-impl Bits for half::f16 {
-    fn from_bits32(b: u32) -> Self {
-        half::f16::from_bits(b as u16)
-    }
-    fn to_bits32(self) -> u32 {
-        self.to_bits() as u32
-    }
-}
-impl Bits for half::bf16 {
-    fn from_bits32(b: u32) -> Self {
-        half::bf16::from_bits(b as u16)
-    }
-    fn to_bits32(self) -> u32 {
-        self.to_bits() as u32
-    }
-}
-
-/// A byte pattern that is a NaN-free, non-zero value in every dtype, so a
-/// kernel that writes nothing is caught.
 fn poison<T: Bits>() -> T {
-    match T::DTYPE {
-        Dtype::F32 => T::from_bits32(0xC2F1_5A5A),
-        _ => T::from_bits32(0xD15A),
-    }
+    T::from_bits32(validate::poison_bits(T::DTYPE))
 }
 
 #[derive(Clone, Copy, Debug)]

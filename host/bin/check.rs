@@ -177,25 +177,19 @@ fn sweep_virtual(
         let g = match VirtualGroup::new(ctx, world, config_for(lengths, 16)) {
             Ok(g) => g,
             Err(e) => {
-                pb.suspend(|| println!("  world {world}: cannot create the group: {e}"));
-                tally.failed += world_cases.len();
-                pb.inc(world_cases.len() as u64);
+                skip_world(&pb, tally, world, &world_cases, "create the group", &e);
                 continue;
             }
         };
-        for case in world_cases.iter().copied() {
-            pb.set_message(format!("{case}"));
-            let r = validate::run_virtual(&g, &stream, case);
-            let kernel_error = r.is_err();
-            record(&pb, tally, case, r, args.verbose);
-            if kernel_error {
-                // A kernel error poisons the group; bring it back for the next case.
-                if let Err(e) = g.reset() {
-                    pb.suspend(|| println!("  world {world}: reset failed: {e}"));
-                }
-            }
-            pb.inc(1);
-        }
+        run_cases(
+            &pb,
+            tally,
+            world,
+            &world_cases,
+            args.verbose,
+            |case| validate::run_virtual(&g, &stream, case),
+            || g.reset(),
+        );
         summary_line(&pb, "virtual", world, before, tally, world_cases.len());
     }
     pb.finish_and_clear();
@@ -239,9 +233,7 @@ fn sweep_peer(
                 continue;
             }
             Err(e) => {
-                pb.suspend(|| println!("  world {world}: cannot create the group: {e}"));
-                tally.failed += world_cases.len();
-                pb.inc(world_cases.len() as u64);
+                skip_world(&pb, tally, world, &world_cases, "create the group", &e);
                 continue;
             }
         };
@@ -250,24 +242,19 @@ fn sweep_peer(
         let streams = match streams {
             Ok(s) => s,
             Err(e) => {
-                pb.suspend(|| println!("  world {world}: cannot create streams: {e}"));
-                tally.failed += world_cases.len();
-                pb.inc(world_cases.len() as u64);
+                skip_world(&pb, tally, world, &world_cases, "create streams", &e);
                 continue;
             }
         };
-        for case in world_cases.iter().copied() {
-            pb.set_message(format!("{case}"));
-            let r = validate::run_peer(&group, &streams, case);
-            let kernel_error = r.is_err();
-            record(&pb, tally, case, r, args.verbose);
-            if kernel_error {
-                if let Err(e) = group.reset() {
-                    pb.suspend(|| println!("  world {world}: reset failed: {e}"));
-                }
-            }
-            pb.inc(1);
-        }
+        run_cases(
+            &pb,
+            tally,
+            world,
+            &world_cases,
+            args.verbose,
+            |case| validate::run_peer(&group, &streams, case),
+            || group.reset(),
+        );
         let link = format!("real ranks, {:?}", group.link());
         summary_line(&pb, &link, world, before, tally, world_cases.len());
     }
@@ -276,6 +263,45 @@ fn sweep_peer(
 
 /// Buffers big enough for the longest case of the sweep without chunking
 /// (chunking has its own cases in the GPU test suite).
+/// Counts every case of a world that cannot be set up as failed.
+fn skip_world(
+    pb: &ProgressBar,
+    tally: &mut Tally,
+    world: usize,
+    cases: &[&Case],
+    what: &str,
+    e: &dyn std::fmt::Display,
+) {
+    pb.suspend(|| println!("  world {world}: cannot {what}: {e}"));
+    tally.failed += cases.len();
+    pb.inc(cases.len() as u64);
+}
+
+/// Runs and records the cases of one world; a kernel error poisons the
+/// group, so it is reset before the next case.
+fn run_cases(
+    pb: &ProgressBar,
+    tally: &mut Tally,
+    world: usize,
+    cases: &[&Case],
+    verbose: bool,
+    mut run: impl FnMut(&Case) -> Result<Outcome, Error>,
+    reset: impl Fn() -> Result<(), Error>,
+) {
+    for case in cases.iter().copied() {
+        pb.set_message(format!("{case}"));
+        let r = run(case);
+        let kernel_error = r.is_err();
+        record(pb, tally, case, r, verbose);
+        if kernel_error {
+            if let Err(e) = reset() {
+                pb.suspend(|| println!("  world {world}: reset failed: {e}"));
+            }
+        }
+        pb.inc(1);
+    }
+}
+
 fn config_for(lengths: &[usize], max_blocks: u32) -> Config {
     let longest = lengths.iter().copied().max().unwrap_or(0) * 4;
     Config {
