@@ -445,9 +445,12 @@ proptest! {
         let prefix: Vec<Vec<u32>> = inputs.iter().map(|x| x[..prefix_len].to_vec()).collect();
         let full = run_model(&case, &inputs, case.algo, AddOrder::RankOrder);
         let short = run_model(&case, &prefix, prefix_algo, AddOrder::RankOrder);
+        // Same value (NaN matches any NaN, as the contract says): in an
+        // optimised build the pack and tail paths may pick different NaN
+        // payloads.
         for i in 0..prefix_len {
-            prop_assert_eq!(
-                short[0][i], full[0][i],
+            prop_assert!(
+                reference::same_value(case.dtype, short[0][i], full[0][i]),
                 "{}: element {} is {} at length {} ({}) but {} at length {}",
                 case, i, fmt_bits(case.dtype, short[0][i]), prefix_len, prefix_algo.name(),
                 fmt_bits(case.dtype, full[0][i]), case.len
