@@ -64,7 +64,7 @@ fn main() {
     for (wi, &world) in WORLDS.iter().enumerate() {
         let cfg = Config {
             max_bytes: 64 << 20,
-            max_blocks: 16,
+            max_blocks: Some(16),
             threads_per_block: 512,
             ..Config::default()
         };

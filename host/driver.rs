@@ -1,7 +1,16 @@
 //! Thin, checked wrappers over the CUDA driver (through cudarc's dynamic
-//! loading): driver presence, device facts, owned allocations, and the
-//! loaded kernel module. Nothing here knows about allreduce semantics.
+//! loading): driver presence, device facts, owned allocations, copies,
+//! launches, peer access, CUDA IPC, and the loaded kernel module. Nothing
+//! here knows about allreduce semantics.
+//!
+//! Invariant: every driver call made here first makes the context that owns
+//! the memory, stream or module current on the calling thread
+//! (`bind_to_thread`). With several GPUs in one process, a call issued while
+//! another device's context is current fails (`CUDA_ERROR_INVALID_VALUE` /
+//! `INVALID_CONTEXT`) or, worse, acts on the wrong device; so no code
+//! outside this module makes raw driver calls.
 
+use crate::abi::LaunchArgs;
 use crate::error::{Context as _, Error, Result};
 use crate::ptx::{self, Entry, PtxModule};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
@@ -128,11 +137,8 @@ impl DeviceAlloc {
         // plain-data types read here (u32 words, repr(C) records of u32).
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr) }.during("cuMemcpyDtoH")
     }
-    /// Zeroes the allocation, ordered on `stream`.
-    pub fn zero_async(&self, stream: &CudaStream) -> Result<()> {
-        // SAFETY: the allocation is live for as long as `self`.
-        unsafe { result::memset_d8_async(self.ptr, 0, self.bytes.max(256), stream.cu_stream()) }
-            .during("cuMemsetD8Async")
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 }
 
@@ -202,6 +208,41 @@ impl Kernels {
         })
     }
 
+    /// Launches `entry` with one by-value [`LaunchArgs`] on `stream`, with
+    /// this module's context current.
+    ///
+    /// # Safety
+    /// Every pointer in `args` (and in the table it points to) must be valid
+    /// device memory of the sizes the kernel touches for `args.count`, and
+    /// `stream` must belong to this module's context.
+    pub unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        entry: Entry,
+        grid: (u32, u32),
+        threads: u32,
+        args: &LaunchArgs,
+    ) -> Result<()> {
+        let f = self.function(entry)?;
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        let mut params = [args as *const LaunchArgs as *mut c_void];
+        // SAFETY: `f` takes exactly one parameter of LaunchArgs' size and
+        // layout (asserted in abi.rs and checked against the PTX by
+        // tests/ptx.rs); the driver copies the parameter bytes before
+        // returning; pointer validity is the caller's contract.
+        unsafe {
+            result::launch_kernel(
+                f,
+                (grid.0, grid.1, 1),
+                (threads, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .during("cuLaunchKernel")
+    }
+
     pub fn function(&self, entry: Entry) -> Result<sys::CUfunction> {
         let mut cache = self.functions.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = cache.get(&entry) {
@@ -255,4 +296,152 @@ impl Drop for Kernels {
             let _ = unsafe { result::module::unload(self.module) };
         }
     }
+}
+
+/// Copies `bytes` bytes from device address `src` to `dst`, ordered on
+/// `stream`, with the stream's context current (the addresses may live on
+/// any device that context can reach).
+///
+/// # Safety
+/// Both ranges must be live device memory of at least `bytes` bytes until
+/// the copy has run, and must not overlap.
+pub unsafe fn copy_dtod_async(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    stream
+        .context()
+        .bind_to_thread()
+        .during("cuCtxSetCurrent")?;
+    // SAFETY: forwarded from the caller; the stream's context is current.
+    unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+        .during("cuMemcpyDtoDAsync")
+}
+
+/// Lets `from`'s kernels access memory of `to`'s device. Enabling a pair
+/// twice is not an error.
+pub fn enable_peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<()> {
+    from.bind_to_thread().during("cuCtxSetCurrent")?;
+    // SAFETY: both contexts are live (held by the Arcs).
+    let r = unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) };
+    if r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+        return Ok(());
+    }
+    r.result().during("cuCtxEnablePeerAccess")
+}
+
+/// Bytes of a CUDA IPC memory handle.
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// The allocation holding device address `ptr`: `(base, size)`.
+pub fn address_range(ctx: &Arc<CudaContext>, ptr: u64) -> Result<(u64, usize)> {
+    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    // SAFETY: plain query with valid out-pointers; the driver checks `ptr`.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .during("cuMemGetAddressRange")?;
+    Ok((base, size))
+}
+
+/// Exports the allocation starting at `base` (from plain `cuMemAlloc`) as a
+/// CUDA IPC handle.
+pub fn ipc_export(ctx: &Arc<CudaContext>, base: u64) -> Result<[u8; IPC_HANDLE_BYTES]> {
+    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+    // SAFETY: the handle is plain bytes written by the driver; the driver
+    // rejects a `base` that is not the start of an exportable allocation.
+    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }
+        .result()
+        .during(
+            "cuIpcGetMemHandle (the buffer must come from plain cuMemAlloc, not a stream-ordered pool)",
+        )?;
+    // SAFETY: zero-initialised, then written by the driver.
+    let h = unsafe { h.assume_init() };
+    let mut out = [0u8; IPC_HANDLE_BYTES];
+    for (o, c) in out.iter_mut().zip(h.reserved.iter()) {
+        *o = *c as u8;
+    }
+    Ok(out)
+}
+
+/// A peer process's allocation mapped into this process through its CUDA
+/// IPC handle; unmapped on drop.
+pub struct IpcMapping {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl IpcMapping {
+    /// Maps the allocation behind `handle` into `ctx` (peer access is
+    /// enabled lazily by the driver when the owner is another device).
+    pub fn open(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<Self> {
+        let mut h = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        for (d, b) in h.reserved.iter_mut().zip(handle) {
+            *d = *b as _;
+        }
+        ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `h` is a handle exported by a peer process; the driver
+        // validates it and writes the mapped address.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .during("cuIpcOpenMemHandle")?;
+        Ok(IpcMapping {
+            ctx: ctx.clone(),
+            ptr,
+        })
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// Copies `src` to device address `dst` (synchronous), with `ctx` current.
+///
+/// # Safety
+/// `dst` must be live device memory of `ctx` with room for `src`.
+pub unsafe fn write_at<T: Copy>(ctx: &Arc<CudaContext>, dst: u64, src: &[T]) -> Result<()> {
+    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+    // SAFETY: forwarded from the caller.
+    unsafe { result::memcpy_htod_sync(dst, src) }.during("cuMemcpyHtoD")
+}
+
+/// The PCI bus id of `ctx`'s device (`domain:bus:device.function`).
+pub fn pci_bus_id(ctx: &Arc<CudaContext>) -> Result<String> {
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: the buffer is writable for its whole length.
+    unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, ctx.cu_device()) }
+        .result()
+        .during("cuDeviceGetPCIBusId")?;
+    // SAFETY: the driver wrote a NUL-terminated string into `buf`.
+    let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    Ok(s.to_string_lossy().into_owned())
+}
+
+/// The device whose PCI bus id is `bus_id`, if this process sees it.
+pub fn device_by_pci_bus_id(bus_id: &str) -> Option<sys::CUdevice> {
+    let c = CString::new(bus_id).ok()?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: `c` is NUL-terminated; `dev` is a valid out-pointer.
+    let r = unsafe { sys::cuDeviceGetByPCIBusId(&mut dev, c.as_ptr()) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(dev)
 }

@@ -114,8 +114,33 @@ pub enum Error {
     #[error("the group is poisoned by an earlier error ({0}); call reset() or recreate it")]
     Poisoned(String),
 
-    #[error("in-place allreduce (output == input) of rank {rank} needs the staged path: peers read registered inputs while outputs are written")]
-    InPlaceRegistered { rank: usize },
+    #[error(
+        "these registered buffers belong to another group (their tables name that group's scratch and \
+         signals): allocate them with alloc_registered on the group that runs the allreduce"
+    )]
+    ForeignRegistered,
+
+    #[error(
+        "two-stage over registered buffers needs {bytes} bytes of scratch per rank but this group has \
+         {capacity}: use AlgoChoice::Auto or OneStage (same bits), or a group with Config::max_bytes >= {bytes}"
+    )]
+    ScratchTooSmall { bytes: usize, capacity: usize },
+
+    #[error(
+        "the stream given for rank {rank} belongs to GPU {stream_device}, but rank {rank} lives on GPU \
+         {rank_device}: pass streams[r] created on rank r's device (its context)"
+    )]
+    StreamDevice {
+        rank: usize,
+        stream_device: usize,
+        rank_device: usize,
+    },
+
+    #[error(
+        "ranks {a} and {b} were given the same stream: each rank needs its own stream (ranks that share a \
+         GPU run concurrently and wait for each other at barriers)"
+    )]
+    SharedStream { a: usize, b: usize },
 
     #[error("rendezvous failed: {0}")]
     Rendezvous(String),
@@ -150,7 +175,7 @@ pub enum Error {
 }
 
 /// Attaches what we were doing to a driver error.
-pub(crate) trait Context<T> {
+pub trait Context<T> {
     fn during(self, what: &'static str) -> Result<T>;
 }
 

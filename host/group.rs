@@ -19,10 +19,7 @@ use crate::driver::{DeviceAlloc, Kernels};
 use crate::error::{Context as _, Error, Result};
 use crate::plan::{blocks_for, AlgoChoice, Config, Link};
 use crate::ptx::Entry;
-use cudarc::driver::{
-    result, sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-};
-use std::ffi::c_void;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
@@ -40,15 +37,9 @@ impl DeviceElement for half::bf16 {
     const DTYPE: Dtype = Dtype::Bf16;
 }
 
-/// Element types that both the kernels and (with the `nccl` feature) NCCL take.
-#[cfg(feature = "nccl")]
-pub trait RoutedElement: DeviceElement + cudarc::nccl::NcclType {}
-#[cfg(feature = "nccl")]
-impl<T: DeviceElement + cudarc::nccl::NcclType> RoutedElement for T {}
-/// Element types that both the kernels and (with the `nccl` feature) NCCL take.
-#[cfg(not(feature = "nccl"))]
+/// Element types that both the kernels and (with the `nccl` feature) NCCL
+/// take: every [`DeviceElement`].
 pub trait RoutedElement: DeviceElement {}
-#[cfg(not(feature = "nccl"))]
 impl<T: DeviceElement> RoutedElement for T {}
 
 /// One rank's group-owned memory.
@@ -160,37 +151,6 @@ pub(crate) fn read_error_records(signals: &[&DeviceAlloc]) -> Result<()> {
     Ok(())
 }
 
-/// Launches `entry` with one by-value [`LaunchArgs`].
-///
-/// # Safety
-/// Every pointer in `args` (and in the table it points to) must be valid
-/// device memory of the sizes the kernel will touch for `args.count`.
-pub(crate) unsafe fn launch(
-    kernels: &Kernels,
-    stream: &CudaStream,
-    entry: Entry,
-    grid: (u32, u32),
-    threads: u32,
-    args: &LaunchArgs,
-) -> Result<()> {
-    let f = kernels.function(entry)?;
-    let mut params = [args as *const LaunchArgs as *mut c_void];
-    // SAFETY: `f` takes exactly one parameter of LaunchArgs' size and layout
-    // (asserted in abi.rs and checked against the PTX by tests/ptx.rs); the
-    // driver copies the parameter bytes before returning.
-    unsafe {
-        result::launch_kernel(
-            f,
-            (grid.0, grid.1, 1),
-            (threads, 1, 1),
-            0,
-            stream.cu_stream(),
-            &mut params,
-        )
-    }
-    .during("cuLaunchKernel")
-}
-
 /// Shared state checks of both group kinds.
 pub(crate) struct Health(Mutex<Option<String>>);
 
@@ -240,25 +200,40 @@ pub(crate) unsafe fn stage(
     size: usize,
     stream: &CudaStream,
 ) -> Result<()> {
-    if len == 0 {
-        return Ok(());
-    }
     // SAFETY: forwarded from the caller.
     unsafe {
-        result::memcpy_dtod_async(
-            staging,
-            src + (offset * size) as u64,
-            len * size,
-            stream.cu_stream(),
-        )
+        crate::driver::copy_dtod_async(stream, staging, src + (offset * size) as u64, len * size)
     }
-    .during("cuMemcpyDtoDAsync (staging)")
+}
+
+/// The algorithm of a registered (unchunked) allreduce of `bytes` bytes.
+/// Two-stage needs `bytes` of scratch per rank: `Auto` then runs one-stage
+/// (same bits), an explicit `TwoStage` is refused.
+pub(crate) fn registered_algorithm(
+    c: &Config,
+    algo: AlgoChoice,
+    bytes: usize,
+    world: usize,
+    link: Link,
+) -> Result<Algorithm> {
+    let used = c.thresholds.choose(algo, bytes, world, link);
+    if used == Algorithm::TwoStage && bytes > c.max_bytes {
+        if algo == AlgoChoice::TwoStage {
+            return Err(Error::ScratchTooSmall {
+                bytes,
+                capacity: c.max_bytes,
+            });
+        }
+        return Ok(Algorithm::OneStage);
+    }
+    Ok(used)
 }
 
 /// The entry point and the blocks per rank for one collective; every rank
 /// computes the same values from the same arguments, as the barriers need.
 fn launch_shape(
     c: &Config,
+    link: Link,
     algo: Algorithm,
     dtype: Dtype,
     count: usize,
@@ -273,7 +248,14 @@ fn launch_shape(
     };
     (
         entry,
-        blocks_for(algo, dtype, count, world, c.threads_per_block, c.max_blocks),
+        blocks_for(
+            algo,
+            dtype,
+            count,
+            world,
+            c.threads_per_block,
+            c.blocks_cap(link),
+        ),
     )
 }
 
@@ -282,6 +264,7 @@ fn launch_shape(
 pub(crate) struct RankLaunch<'a> {
     pub kernels: &'a Kernels,
     pub config: &'a Config,
+    pub link: Link,
     pub world: usize,
     pub rank: usize,
     pub table: u64,
@@ -301,7 +284,19 @@ impl RankLaunch<'_> {
         algo: Algorithm,
     ) -> Result<()> {
         let c = self.config;
-        let (entry, blocks) = launch_shape(c, algo, dtype, count, self.world, false);
+        let (entry, blocks) = launch_shape(c, self.link, algo, dtype, count, self.world, false);
+        // Blocks of one rank that cannot all be resident would wait on
+        // barriers that their peers' blocks of the same index hold.
+        let capacity = self
+            .kernels
+            .co_resident_blocks(entry, c.threads_per_block)?;
+        if blocks > capacity {
+            return Err(Error::NotCoResident {
+                blocks,
+                threads: c.threads_per_block,
+                capacity,
+            });
+        }
         let mut args = LaunchArgs {
             table: self.table,
             signals: self.signals,
@@ -313,29 +308,46 @@ impl RankLaunch<'_> {
         args.outputs[self.rank] = output;
         // SAFETY: forwarded from the caller.
         unsafe {
-            launch(
-                self.kernels,
-                stream,
-                entry,
-                (blocks, 1),
-                c.threads_per_block,
-                &args,
-            )
+            self.kernels
+                .launch(stream, entry, (blocks, 1), c.threads_per_block, &args)
         }
     }
+}
+
+/// A process-unique id per group, so that registered buffers are only
+/// accepted by the group whose scratch and signals their tables point at.
+pub(crate) fn next_group_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Registered (zero-copy) input buffers, one per rank, owned by this value.
 /// Peers read them directly, so the collective needs no copy. Write your
 /// data into `ptr(rank)` (e.g. as the output of your own kernel) before the
 /// allreduce on the same stream.
+///
+/// Their pointer tables name the scratch and signal buffers of the group
+/// that allocated them, so only that group accepts them
+/// (`Error::ForeignRegistered` otherwise).
 pub struct RegisteredBuffers<T: DeviceElement> {
     bufs: Vec<DeviceAlloc>,
     /// One table per owning rank (virtual groups use only the first).
     tables: Vec<DeviceAlloc>,
     len: usize,
+    group: u64,
     ctxs: Vec<Arc<CudaContext>>,
     _t: PhantomData<T>,
+}
+
+impl<T: DeviceElement> std::fmt::Debug for RegisteredBuffers<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredBuffers")
+            .field("dtype", &T::DTYPE)
+            .field("ranks", &self.bufs.len())
+            .field("len", &self.len)
+            .field("group", &self.group)
+            .finish()
+    }
 }
 
 impl<T: DeviceElement> RegisteredBuffers<T> {
@@ -345,27 +357,41 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Device pointer of rank `rank`'s buffer (16-byte aligned).
+    /// Number of ranks (one buffer each).
+    pub fn ranks(&self) -> usize {
+        self.bufs.len()
+    }
+    /// Device pointer of rank `rank`'s buffer (16-byte aligned), on that
+    /// rank's device.
     ///
     /// # Panics
-    /// If `rank` is not below the group's world size, like slice indexing.
+    /// If `rank >= self.ranks()`, like slice indexing.
     pub fn ptr(&self, rank: usize) -> u64 {
+        assert!(
+            rank < self.bufs.len(),
+            "RegisteredBuffers::ptr: rank {rank} out of range for {} ranks",
+            self.bufs.len()
+        );
         self.bufs[rank].ptr()
     }
-    /// Copies `src` into rank `rank`'s buffer, ordered on `stream`.
+    pub(crate) fn check_owner(&self, group: u64) -> Result<()> {
+        if self.group != group {
+            return Err(Error::ForeignRegistered);
+        }
+        Ok(())
+    }
+    /// Copies `src` into rank `rank`'s buffer, ordered on `stream` (a
+    /// stream of that rank's device).
+    ///
+    /// # Panics
+    /// If `rank >= self.ranks()`, as [`RegisteredBuffers::ptr`].
     pub fn copy_from(
         &self,
         rank: usize,
         stream: &Arc<CudaStream>,
         src: &CudaSlice<T>,
     ) -> Result<()> {
-        if rank >= self.bufs.len() {
-            return Err(Error::RankCount {
-                what: "rank index (registered buffer)",
-                got: rank,
-                world: self.bufs.len(),
-            });
-        }
+        let dst = self.ptr(rank);
         if src.len() > self.len {
             return Err(Error::BufferTooSmall {
                 what: "registered buffer",
@@ -376,15 +402,7 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
         }
         let (p, _g) = src.device_ptr(stream);
         // SAFETY: both ranges are live device memory of at least src.len() elements.
-        unsafe {
-            result::memcpy_dtod_async(
-                self.bufs[rank].ptr(),
-                p,
-                src.len() * Dtype::size(T::DTYPE),
-                stream.cu_stream(),
-            )
-        }
-        .during("cuMemcpyDtoDAsync (registered input)")
+        unsafe { crate::driver::copy_dtod_async(stream, dst, p, src.len() * T::DTYPE.size()) }
     }
 }
 
@@ -409,6 +427,18 @@ pub struct VirtualGroup {
     signals: [u64; MAX_RANKS],
     staged_table: DeviceAlloc,
     health: Health,
+    id: u64,
+}
+
+impl std::fmt::Debug for VirtualGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VirtualGroup")
+            .field("world", &self.world)
+            .field("device", &self.kernels.context().ordinal())
+            .field("config", &self.config)
+            .field("id", &self.id)
+            .finish()
+    }
 }
 
 impl VirtualGroup {
@@ -431,6 +461,7 @@ impl VirtualGroup {
             signals,
             staged_table,
             health: Health::new(),
+            id: next_group_id(),
         })
     }
 
@@ -547,6 +578,7 @@ impl VirtualGroup {
             bufs,
             tables: vec![tab],
             len,
+            group: self.id,
             ctxs: vec![ctx.clone()],
             _t: PhantomData,
         })
@@ -564,8 +596,8 @@ impl VirtualGroup {
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
         self.health.ensure_ok()?;
+        reg.check_owner(self.id)?;
         check_count("outputs", outputs.len(), self.world)?;
-        check_count("registered buffers", reg.bufs.len(), self.world)?;
         if count > reg.len {
             return Err(Error::BufferTooSmall {
                 what: "registered buffer",
@@ -589,14 +621,13 @@ impl VirtualGroup {
             outs.push((p, g));
         }
         let out_ptrs: Vec<u64> = outs.iter().map(|p| p.0).collect();
-        let bytes = count * T::DTYPE.size();
-        let mut used = self
-            .config
-            .thresholds
-            .choose(algo, bytes, self.world, Link::SameDevice);
-        if used == Algorithm::TwoStage && bytes > self.config.max_bytes {
-            used = Algorithm::OneStage;
-        }
+        let used = registered_algorithm(
+            &self.config,
+            algo,
+            count * T::DTYPE.size(),
+            self.world,
+            Link::SameDevice,
+        )?;
         // SAFETY: registered buffers hold >= count elements; outputs checked above.
         unsafe {
             self.launch(
@@ -627,7 +658,8 @@ impl VirtualGroup {
         absent_ranks: u32,
     ) -> Result<()> {
         let c = &self.config;
-        let (entry, blocks) = launch_shape(c, algo, dtype, count, self.world, true);
+        let (entry, blocks) =
+            launch_shape(c, Link::SameDevice, algo, dtype, count, self.world, true);
         let capacity = self
             .kernels
             .co_resident_blocks(entry, c.threads_per_block)?;
@@ -650,8 +682,7 @@ impl VirtualGroup {
         args.outputs[..outputs.len()].copy_from_slice(outputs);
         // SAFETY: forwarded from the caller.
         unsafe {
-            launch(
-                &self.kernels,
+            self.kernels.launch(
                 stream,
                 entry,
                 (blocks, self.world as u32),
@@ -719,6 +750,11 @@ impl VirtualGroup {
 
 /// One rank per context in one process: several GPUs with peer access, or
 /// several ranks sharing a GPU (each launch on its own stream).
+///
+/// Every call takes one stream per rank (`streams[r]` on rank r's device)
+/// and enqueues rank r's work on it; nothing waits on the host except
+/// [`PeerGroup::check`]. Errors found by the kernels (a peer timeout) are
+/// reported by `check`; until then later calls return `Ok`.
 pub struct PeerGroup {
     world: usize,
     signals: [u64; MAX_RANKS],
@@ -726,8 +762,26 @@ pub struct PeerGroup {
     link: Link,
     ranks: Vec<PeerRank>,
     health: Health,
+    id: u64,
     #[cfg(feature = "nccl")]
     nccl: Option<crate::nccl::NcclGroup>,
+}
+
+impl std::fmt::Debug for PeerGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let devices: Vec<usize> = self
+            .ranks
+            .iter()
+            .map(|r| r.kernels.context().ordinal())
+            .collect();
+        f.debug_struct("PeerGroup")
+            .field("world", &self.world)
+            .field("devices", &devices)
+            .field("link", &self.link)
+            .field("config", &self.config)
+            .field("id", &self.id)
+            .finish()
+    }
 }
 
 /// Which path a routed allreduce took.
@@ -761,14 +815,7 @@ impl PeerGroup {
                     b: cb.ordinal(),
                 })?;
                 link = crate::topology::slowest(link, l);
-                ca.bind_to_thread().during("cuCtxSetCurrent")?;
-                // SAFETY: both contexts are live; "already enabled" is not an error for us.
-                let r = unsafe { sys::cuCtxEnablePeerAccess(cb.cu_ctx(), 0) };
-                if r != sys::CUresult::CUDA_SUCCESS
-                    && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-                {
-                    r.result().during("cuCtxEnablePeerAccess")?;
-                }
+                crate::driver::enable_peer_access(ca, cb)?;
             }
         }
         let mut ranks = Vec::with_capacity(world);
@@ -797,6 +844,7 @@ impl PeerGroup {
             link,
             ranks: out,
             health: Health::new(),
+            id: next_group_id(),
             #[cfg(feature = "nccl")]
             nccl: None,
         })
@@ -807,7 +855,7 @@ impl PeerGroup {
     /// above `Config::nccl_above` to NCCL.
     #[cfg(feature = "nccl")]
     pub fn enable_nccl(&mut self, streams: &[Arc<CudaStream>]) -> Result<()> {
-        check_count("streams", streams.len(), self.world)?;
+        self.check_streams(streams)?;
         self.nccl = Some(crate::nccl::NcclGroup::new(streams)?);
         Ok(())
     }
@@ -828,7 +876,7 @@ impl PeerGroup {
             let bytes = inputs.first().map_or(0, |i| i.len() * T::DTYPE.size());
             if bytes > above {
                 self.health.ensure_ok()?;
-                n.allreduce(inputs, outputs)?;
+                n.allreduce(streams, inputs, outputs)?;
                 return Ok(Route::Nccl);
             }
         }
@@ -842,9 +890,47 @@ impl PeerGroup {
     pub fn link(&self) -> Link {
         self.link
     }
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// One stream per rank, each on its rank's device, no stream twice.
+    fn check_streams(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        check_count("streams", streams.len(), self.world)?;
+        for (r, s) in streams.iter().enumerate() {
+            let want = self.ranks[r].kernels.context();
+            if s.context().cu_ctx() != want.cu_ctx() {
+                return Err(Error::StreamDevice {
+                    rank: r,
+                    stream_device: s.context().ordinal(),
+                    rank_device: want.ordinal(),
+                });
+            }
+            if let Some(a) = streams[..r]
+                .iter()
+                .position(|p| p.cu_stream() == s.cu_stream())
+            {
+                return Err(Error::SharedStream { a, b: r });
+            }
+        }
+        Ok(())
+    }
+
+    fn rank_launch(&self, r: usize, table: u64) -> RankLaunch<'_> {
+        RankLaunch {
+            kernels: &self.ranks[r].kernels,
+            config: &self.config,
+            link: self.link,
+            world: self.world,
+            rank: r,
+            table,
+            signals: self.signals,
+        }
+    }
 
     /// Staged allreduce: rank r copies `inputs[r]` into its staging buffer and
-    /// launches on `streams[r]`. Returns the algorithm used.
+    /// launches on `streams[r]`. Returns the algorithm used (of the last
+    /// chunk, for messages above `Config::max_bytes`).
     pub fn allreduce<T: DeviceElement>(
         &self,
         streams: &[Arc<CudaStream>],
@@ -852,21 +938,10 @@ impl PeerGroup {
         outputs: &mut [CudaSlice<T>],
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        self.health.ensure_ok()?;
-        check_count("streams", streams.len(), self.world)?;
+        self.check_streams(streams)?;
         check_count("inputs", inputs.len(), self.world)?;
         check_count("outputs", outputs.len(), self.world)?;
         let count = inputs[0].len();
-        let size = T::DTYPE.size();
-        let bytes = count * size;
-        if bytes > self.config.max_bytes && !self.config.chunking {
-            return Err(Error::MessageTooLarge {
-                bytes,
-                capacity: self.config.max_bytes,
-            });
-        }
-        let mut ins = Vec::new();
-        let mut outs = Vec::new();
         for r in 0..self.world {
             if inputs[r].len() != count {
                 return Err(Error::RankMismatch {
@@ -886,37 +961,76 @@ impl PeerGroup {
                 });
             }
         }
+        let mut ins = Vec::with_capacity(self.world);
+        let mut outs = Vec::with_capacity(self.world);
         for (r, (i, o)) in inputs.iter().zip(outputs.iter_mut()).enumerate() {
             ins.push(i.device_ptr(&streams[r]));
-            let p = o.device_ptr_mut(&streams[r]);
-            check_aligned("output", r, p.0)?;
-            outs.push(p);
+            outs.push(o.device_ptr_mut(&streams[r]));
+        }
+        let in_ptrs: Vec<u64> = ins.iter().map(|p| p.0).collect();
+        let out_ptrs: Vec<u64> = outs.iter().map(|p| p.0).collect();
+        // SAFETY: every pointer comes from a live CudaSlice of at least
+        // `count` elements on its rank's device, held until this returns
+        // (the guards record the use on each rank's stream).
+        unsafe { self.allreduce_raw(streams, T::DTYPE, count, &in_ptrs, &out_ptrs, algo) }
+    }
+
+    /// [`PeerGroup::allreduce`] on raw device pointers: `inputs[r]` and
+    /// `outputs[r]` on rank r's device. Inputs are staged, so
+    /// `outputs[r] == inputs[r]` (in place) is allowed.
+    ///
+    /// # Safety
+    /// `inputs[r]` must be valid for reads and `outputs[r]` for writes of
+    /// `count` elements of `dtype` until the work on `streams[r]` completes.
+    pub unsafe fn allreduce_raw(
+        &self,
+        streams: &[Arc<CudaStream>],
+        dtype: Dtype,
+        count: usize,
+        inputs: &[u64],
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        self.check_streams(streams)?;
+        check_count("inputs", inputs.len(), self.world)?;
+        check_count("outputs", outputs.len(), self.world)?;
+        for (r, &o) in outputs.iter().enumerate() {
+            check_aligned("output", r, o)?;
+        }
+        let size = dtype.size();
+        let bytes = count * size;
+        if bytes > self.config.max_bytes && !self.config.chunking {
+            return Err(Error::MessageTooLarge {
+                bytes,
+                capacity: self.config.max_bytes,
+            });
         }
         let mut used = Algorithm::OneStage;
-        for (off, n) in chunks(count, T::DTYPE, self.config.max_bytes) {
+        for (off, n) in chunks(count, dtype, self.config.max_bytes) {
             used = self
                 .config
                 .thresholds
                 .choose(algo, n * size, self.world, self.link);
             for (r, rank) in self.ranks.iter().enumerate() {
-                let l = RankLaunch {
-                    kernels: &rank.kernels,
-                    config: &self.config,
-                    world: self.world,
-                    rank: r,
-                    table: rank.staged_table.ptr(),
-                    signals: self.signals,
-                };
-                // SAFETY: input holds `count` elements, staging holds
-                // max_bytes >= n * size; table, scratch and signals are this
-                // group's live buffers; the output holds `count` elements.
+                let l = self.rank_launch(r, rank.staged_table.ptr());
+                // SAFETY: inputs[r] holds `count` elements (caller), staging
+                // holds max_bytes >= n * size; table, scratch and signals are
+                // this group's live buffers; outputs[r] holds `count` elements.
                 unsafe {
-                    stage(rank.bufs.staging.ptr(), ins[r].0, off, n, size, &streams[r])?;
+                    stage(
+                        rank.bufs.staging.ptr(),
+                        inputs[r],
+                        off,
+                        n,
+                        size,
+                        &streams[r],
+                    )?;
                     l.launch(
                         &streams[r],
-                        T::DTYPE,
+                        dtype,
                         n,
-                        outs[r].0 + (off * size) as u64,
+                        outputs[r] + (off * size) as u64,
                         used,
                     )?;
                 }
@@ -925,8 +1039,92 @@ impl PeerGroup {
         Ok(used)
     }
 
+    /// Allocates registered (zero-copy) input buffers of `len` elements per
+    /// rank, each on its rank's device; peers read them directly.
+    pub fn alloc_registered<T: DeviceElement>(&self, len: usize) -> Result<RegisteredBuffers<T>> {
+        let bufs = self
+            .ranks
+            .iter()
+            .map(|r| DeviceAlloc::zeroed(r.kernels.context(), len * T::DTYPE.size()))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&RankBuffers> = self.ranks.iter().map(|r| &r.bufs).collect();
+        let t = table(|r| bufs[r].ptr(), &refs);
+        let tables = self
+            .ranks
+            .iter()
+            .map(|r| DeviceAlloc::from_value(r.kernels.context(), &t))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RegisteredBuffers {
+            bufs,
+            tables,
+            len,
+            group: self.id,
+            ctxs: self
+                .ranks
+                .iter()
+                .map(|r| r.kernels.context().clone())
+                .collect(),
+            _t: PhantomData,
+        })
+    }
+
+    /// Zero-copy allreduce of the first `count` elements of `reg` (written
+    /// by each rank on its own stream beforehand) into `outputs`, with no
+    /// staging copy. Works inside CUDA-graph capture of every rank's
+    /// stream. Not chunked: a message above `Config::max_bytes` runs
+    /// one-stage under `Auto` (same bits); an explicit `TwoStage` is refused.
+    pub fn allreduce_registered<T: DeviceElement>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &mut [CudaSlice<T>],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        reg.check_owner(self.id)?;
+        self.check_streams(streams)?;
+        check_count("outputs", outputs.len(), self.world)?;
+        if count > reg.len {
+            return Err(Error::BufferTooSmall {
+                what: "registered buffer",
+                rank: 0,
+                len: reg.len,
+                need: count,
+            });
+        }
+        for (r, o) in outputs.iter().enumerate() {
+            if o.len() < count {
+                return Err(Error::BufferTooSmall {
+                    what: "output",
+                    rank: r,
+                    len: o.len(),
+                    need: count,
+                });
+            }
+        }
+        let used = registered_algorithm(
+            &self.config,
+            algo,
+            count * T::DTYPE.size(),
+            self.world,
+            self.link,
+        )?;
+        for (r, o) in outputs.iter_mut().enumerate() {
+            let (out, _g) = o.device_ptr_mut(&streams[r]);
+            let l = self.rank_launch(r, reg.tables[r].ptr());
+            // SAFETY: the registered buffers hold >= count elements and the
+            // table names this group's scratch and signals (owner checked);
+            // the output holds >= count elements.
+            unsafe { l.launch(&streams[r], T::DTYPE, count, out, used)? };
+        }
+        Ok(used)
+    }
+
     /// Waits for every rank's stream and reports recorded kernel errors.
+    /// After an error the group is poisoned until [`PeerGroup::reset`].
     pub fn check(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        self.check_streams(streams)?;
         for s in streams {
             s.synchronize().during("cuStreamSynchronize")?;
         }

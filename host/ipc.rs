@@ -7,38 +7,25 @@
 //! own stream, exactly like a [`crate::PeerGroup`] rank.
 
 use crate::abi::{Algorithm, Dtype, RankTable, Signal, MAX_RANKS};
-use crate::driver::{DeviceAlloc, Kernels};
+use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels, IPC_HANDLE_BYTES};
 use crate::error::{Context as _, Error, Result};
 use crate::exchange::Exchange;
 use crate::group::{
-    check_aligned, check_world, chunks, read_error_records, stage, DeviceElement, Health,
-    RankBuffers, RankLaunch,
+    check_aligned, check_world, chunks, read_error_records, registered_algorithm, stage,
+    DeviceElement, Health, RankBuffers, RankLaunch,
 };
 use crate::plan::{AlgoChoice, Config, Link};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 const MAGIC: u32 = 0x7032_7061; // "p2pa"
-const VERSION: u32 = 1;
-const HANDLE: usize = 64;
-/// magic, version, world, rank, pid, device bus id (u32 each), max_bytes,
-/// timeout_ns, threads/blocks (u64 each), then 3 IPC handles.
-const RECORD: usize = 6 * 4 + 3 * 8 + 3 * HANDLE;
-
-/// A peer buffer opened from an IPC handle; closed on drop.
-struct Opened {
-    ctx: Arc<CudaContext>,
-    ptr: u64,
-}
-
-impl Drop for Opened {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
-        }
-    }
-}
+const VERSION: u32 = 2;
+const HANDLE: usize = IPC_HANDLE_BYTES;
+/// Bytes of the PCI bus id field (`dddd:bb:dd.f`, NUL padded).
+const BUS_ID: usize = 16;
+/// magic, version, world, rank, pid, reserved (u32 each), max_bytes,
+/// timeout_ns, threads/blocks (u64 each), 3 IPC handles, the PCI bus id.
+const RECORD: usize = 6 * 4 + 3 * 8 + 3 * HANDLE + BUS_ID;
 
 /// This process's rank of a group formed over CUDA IPC.
 ///
@@ -64,7 +51,7 @@ pub struct ProcessGroup {
     ctx: Arc<CudaContext>,
     kernels: Arc<Kernels>,
     own: RankBuffers,
-    _opened: Vec<Opened>,
+    _opened: Vec<IpcMapping>,
     table: DeviceAlloc,
     /// Host copy of `table`: the scratch pointers of every rank.
     host_table: RankTable,
@@ -84,7 +71,7 @@ pub struct ProcessGroup {
 struct GraphState {
     used: usize,
     pending: Vec<Pending>,
-    opened: Vec<(usize, [u8; HANDLE], Opened)>,
+    opened: Vec<(usize, [u8; HANDLE], IpcMapping)>,
 }
 
 struct Pending {
@@ -95,74 +82,19 @@ struct Pending {
 }
 
 /// How many allreduces one `ProcessGroup` can have captured in graphs.
-pub const GRAPH_SLOTS: usize = 1024;
+pub const GRAPH_SLOTS: usize = 4096;
 
-fn export_ptr(ptr: u64) -> Result<([u8; HANDLE], u64)> {
-    let mut base: sys::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    // SAFETY: plain query; `ptr` is checked by the driver.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-        .result()
-        .during("cuMemGetAddressRange (input of a captured allreduce)")?;
-    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
-    // SAFETY: `base` is the start of a live allocation; the handle is plain bytes.
-    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }
-        .result()
-        .during("cuIpcGetMemHandle (captured inputs must come from plain cuMemAlloc, not a stream-ordered pool)")?;
-    // SAFETY: zero-initialised and then written by the driver.
-    let h = unsafe { h.assume_init() };
-    let mut out = [0u8; HANDLE];
-    for (o, c) in out.iter_mut().zip(h.reserved.iter()) {
-        *o = *c as u8;
-    }
-    Ok((out, ptr - base))
-}
-
-fn export(a: &DeviceAlloc) -> Result<[u8; HANDLE]> {
-    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
-    // SAFETY: `a` is a live cuMemAlloc allocation; the handle is plain bytes.
-    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), a.ptr()) }
-        .result()
-        .during("cuIpcGetMemHandle")?;
-    // SAFETY: written by the driver above (zeroed before in any case).
-    let h = unsafe { h.assume_init() };
-    let mut out = [0u8; HANDLE];
-    for (o, c) in out.iter_mut().zip(h.reserved.iter()) {
-        *o = *c as u8;
-    }
-    Ok(out)
-}
-
-fn open(ctx: &Arc<CudaContext>, bytes: &[u8]) -> Result<Opened> {
-    let mut h = sys::CUipcMemHandle {
-        reserved: [0; HANDLE],
-    };
-    for (d, b) in h.reserved.iter_mut().zip(bytes) {
-        *d = *b as _;
-    }
-    let mut ptr: sys::CUdeviceptr = 0;
-    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-    // SAFETY: `h` is a handle exported by a peer process; the driver validates it.
-    unsafe {
-        sys::cuIpcOpenMemHandle_v2(
-            &mut ptr,
-            h,
-            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-        )
-    }
-    .result()
-    .during("cuIpcOpenMemHandle")?;
-    Ok(Opened {
-        ctx: ctx.clone(),
-        ptr,
-    })
+/// The IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it.
+fn export_ptr(ctx: &Arc<CudaContext>, ptr: u64) -> Result<([u8; HANDLE], u64)> {
+    let (base, _) = driver::address_range(ctx, ptr)?;
+    Ok((driver::ipc_export(ctx, base)?, ptr - base))
 }
 
 struct Record {
     world: u32,
     rank: u32,
     pid: u32,
-    bus: u32,
+    bus: String,
     max_bytes: u64,
     timeout_ns: u64,
     launch: u64,
@@ -172,7 +104,7 @@ struct Record {
 impl Record {
     fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(RECORD);
-        for x in [MAGIC, VERSION, self.world, self.rank, self.pid, self.bus] {
+        for x in [MAGIC, VERSION, self.world, self.rank, self.pid, 0] {
             v.extend_from_slice(&x.to_le_bytes());
         }
         for x in [self.max_bytes, self.timeout_ns, self.launch] {
@@ -181,6 +113,11 @@ impl Record {
         for h in &self.handles {
             v.extend_from_slice(h);
         }
+        let mut bus = [0u8; BUS_ID];
+        for (d, b) in bus.iter_mut().zip(self.bus.bytes()) {
+            *d = b;
+        }
+        v.extend_from_slice(&bus);
         v
     }
     fn decode(b: &[u8], from: usize) -> Result<Self> {
@@ -202,16 +139,39 @@ impl Record {
         for (k, h) in handles.iter_mut().enumerate() {
             h.copy_from_slice(&b[48 + k * HANDLE..48 + (k + 1) * HANDLE]);
         }
+        let bus = &b[48 + 3 * HANDLE..];
+        let bus =
+            String::from_utf8_lossy(&bus[..bus.iter().position(|&c| c == 0).unwrap_or(BUS_ID)])
+                .into_owned();
         Ok(Record {
             world: u32_at(2),
             rank: u32_at(3),
             pid: u32_at(4),
-            bus: u32_at(5),
+            bus,
             max_bytes: u64_at(0),
             timeout_ns: u64_at(1),
             launch: u64_at(2),
             handles,
         })
+    }
+}
+
+/// The link from this rank's device (PCI bus id `mine`) to peer `p`'s
+/// (`theirs`). Both devices are usually visible to this process; when the
+/// peer's is hidden (e.g. by `CUDA_VISIBLE_DEVICES`), the driver cannot be
+/// asked and the slower PCIe is assumed (thresholds only move speed).
+fn peer_link(ctx: &Arc<CudaContext>, mine: &str, theirs: &str) -> Result<Link> {
+    if mine.eq_ignore_ascii_case(theirs) {
+        return Ok(Link::SameDevice);
+    }
+    match driver::device_by_pci_bus_id(theirs) {
+        Some(dev) => crate::topology::link_between_devices(ctx.cu_device(), dev)?.ok_or(
+            Error::NoPeerAccess {
+                a: ctx.ordinal(),
+                b: dev as usize,
+            },
+        ),
+        None => Ok(Link::Pcie),
     }
 }
 
@@ -224,21 +184,19 @@ impl ProcessGroup {
         config.validate().map_err(Error::Config)?;
         let kernels = Kernels::for_context(ctx)?;
         let own = RankBuffers::new(ctx, config.max_bytes)?;
-        let bus = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)
-            .during("cuDeviceGetAttribute(PCI bus id)")? as u32;
+        let bus = driver::pci_bus_id(ctx)?;
         let mine = Record {
             world: world as u32,
             rank: rank as u32,
             pid: std::process::id(),
-            bus,
+            bus: bus.clone(),
             max_bytes: config.max_bytes as u64,
             timeout_ns: config.timeout_ns(),
-            launch: (config.threads_per_block as u64) << 32 | config.max_blocks as u64,
+            launch: (config.threads_per_block as u64) << 32 | config.max_blocks.unwrap_or(0) as u64,
             handles: [
-                export(&own.staging)?,
-                export(&own.scratch)?,
-                export(&own.signal)?,
+                driver::ipc_export(ctx, own.staging.ptr())?,
+                driver::ipc_export(ctx, own.scratch.ptr())?,
+                driver::ipc_export(ctx, own.signal.ptr())?,
             ],
         };
         let all = exchange.all_gather(&mine.encode())?;
@@ -283,14 +241,16 @@ impl ProcessGroup {
                     "both ranks are in one process: use VirtualGroup or PeerGroup there".into(),
                 ));
             }
-            if rec.bus != bus {
-                link = Link::Pcie; // refined below when both devices are visible here
-            }
+            link = crate::topology::slowest(link, peer_link(ctx, &bus, &rec.bus)?);
             let [s, c, g] = &rec.handles;
-            let (s, c, g) = (open(ctx, s)?, open(ctx, c)?, open(ctx, g)?);
-            table.inputs[p] = s.ptr;
-            table.scratch[p] = c.ptr;
-            signals[p] = g.ptr;
+            let (s, c, g) = (
+                IpcMapping::open(ctx, s)?,
+                IpcMapping::open(ctx, c)?,
+                IpcMapping::open(ctx, g)?,
+            );
+            table.inputs[p] = s.ptr();
+            table.scratch[p] = c.ptr();
+            signals[p] = g.ptr();
             opened.extend([s, c, g]);
         }
         let t = DeviceAlloc::from_value(ctx, &table)?;
@@ -320,7 +280,10 @@ impl ProcessGroup {
     }
 
     /// Staged allreduce of this rank's `input` into `output`, on `stream`.
-    /// Every rank must call it with the same dtype and length.
+    /// Every rank must call it with the same dtype and length. Returns the
+    /// algorithm used (of the last chunk, for messages above
+    /// `Config::max_bytes`). Kernel errors (a peer timeout) are reported by
+    /// [`ProcessGroup::check`]; until then later calls return `Ok`.
     pub fn allreduce<T: DeviceElement>(
         &self,
         stream: &Arc<CudaStream>,
@@ -328,7 +291,6 @@ impl ProcessGroup {
         output: &mut CudaSlice<T>,
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        self.health.ensure_ok()?;
         let count = input.len();
         if output.len() < count {
             return Err(Error::BufferTooSmall {
@@ -338,39 +300,77 @@ impl ProcessGroup {
                 need: count,
             });
         }
-        let size = T::DTYPE.size();
+        let (inp, _gi) = input.device_ptr(stream);
+        let (out, _go) = output.device_ptr_mut(stream);
+        // SAFETY: both slices are live, hold >= count elements and are
+        // guarded until the work is enqueued on `stream`.
+        unsafe { self.allreduce_raw(stream, T::DTYPE, count, inp, out, algo) }
+    }
+
+    /// [`ProcessGroup::allreduce`] on raw device pointers of this rank's
+    /// device. The input is staged, so `output == input` (in place) is allowed.
+    ///
+    /// # Safety
+    /// `input` must be valid for reads and `output` for writes of `count`
+    /// elements of `dtype` until the work on `stream` completes.
+    pub unsafe fn allreduce_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        count: usize,
+        input: u64,
+        output: u64,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.health.ensure_ok()?;
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::StreamDevice {
+                rank: self.rank,
+                stream_device: stream.context().ordinal(),
+                rank_device: self.ctx.ordinal(),
+            });
+        }
+        let size = dtype.size();
         if count * size > self.config.max_bytes && !self.config.chunking {
             return Err(Error::MessageTooLarge {
                 bytes: count * size,
                 capacity: self.config.max_bytes,
             });
         }
-        let (inp, _gi) = input.device_ptr(stream);
-        let (out, _go) = output.device_ptr_mut(stream);
-        check_aligned("output", self.rank, out)?;
+        check_aligned("output", self.rank, output)?;
         let l = RankLaunch {
             kernels: &self.kernels,
             config: &self.config,
+            link: self.link,
             world: self.world,
             rank: self.rank,
             table: self.table.ptr(),
             signals: self.signals,
         };
         let mut used = Algorithm::OneStage;
-        for (off, n) in chunks(count, T::DTYPE, self.config.max_bytes) {
+        for (off, n) in chunks(count, dtype, self.config.max_bytes) {
             used = self
                 .config
                 .thresholds
                 .choose(algo, n * size, self.world, self.link);
-            // SAFETY: input holds `count` elements, staging max_bytes >= n *
-            // size; the output holds `count` elements; the table and signals
-            // point at this group's live (own or opened) buffers.
+            // SAFETY: input holds `count` elements (caller), staging holds
+            // max_bytes >= n * size; the output holds `count` elements; the
+            // table and signals point at this group's live (own or opened)
+            // buffers.
             unsafe {
-                stage(self.own.staging.ptr(), inp, off, n, size, stream)?;
-                l.launch(stream, T::DTYPE, n, out + (off * size) as u64, used)?;
+                stage(self.own.staging.ptr(), input, off, n, size, stream)?;
+                l.launch(stream, dtype, n, output + (off * size) as u64, used)?;
             }
         }
         Ok(used)
+    }
+
+    /// The link to the slowest peer (as `PeerGroup::link`).
+    pub fn link(&self) -> Link {
+        self.link
+    }
+    pub fn config(&self) -> &Config {
+        &self.config
     }
 
     /// [`ProcessGroup::allreduce`] after checking, through `exchange`, that
@@ -457,16 +457,14 @@ impl ProcessGroup {
         }
         check_aligned("input", self.rank, input)?;
         check_aligned("output", self.rank, output)?;
-        let bytes = count * dtype.size();
-        let mut used = self
-            .config
-            .thresholds
-            .choose(algo, bytes, self.world, self.link);
-        if used == Algorithm::TwoStage && bytes > self.config.max_bytes {
-            // One-stage needs no scratch and gives the same bits.
-            used = Algorithm::OneStage;
-        }
-        let (handle, offset) = export_ptr(input)?;
+        let used = registered_algorithm(
+            &self.config,
+            algo,
+            count * dtype.size(),
+            self.world,
+            self.link,
+        )?;
+        let (handle, offset) = export_ptr(&self.ctx, input)?;
         let mut g = self.graph.lock().unwrap_or_else(|p| p.into_inner());
         if g.used == GRAPH_SLOTS {
             return Err(Error::Config(format!(
@@ -484,6 +482,7 @@ impl ProcessGroup {
         let l = RankLaunch {
             kernels: &self.kernels,
             config: &self.config,
+            link: self.link,
             world: self.world,
             rank: self.rank,
             table: self.graph_slots.ptr() + (slot * std::mem::size_of::<RankTable>()) as u64,
@@ -538,10 +537,10 @@ impl ProcessGroup {
                 handle.copy_from_slice(&rec[..HANDLE]);
                 let offset = u64::from_le_bytes(rec[HANDLE..].try_into().unwrap_or_default());
                 let base = match g.opened.iter().find(|(pr, h, _)| *pr == r && *h == handle) {
-                    Some((_, _, o)) => o.ptr,
+                    Some((_, _, o)) => o.ptr(),
                     None => {
-                        let o = open(&self.ctx, &handle)?;
-                        let ptr = o.ptr;
+                        let o = IpcMapping::open(&self.ctx, &handle)?;
+                        let ptr = o.ptr();
                         g.opened.push((r, handle, o));
                         ptr
                     }
@@ -549,15 +548,15 @@ impl ProcessGroup {
                 t.inputs[r] = base + offset;
             }
             let off = p.slot * std::mem::size_of::<RankTable>();
-            self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-            // SAFETY: the slot lies inside `graph_slots`; RankTable is plain data.
+            // SAFETY: the slot lies inside `graph_slots` (a live allocation
+            // of this context); RankTable is plain data.
             unsafe {
-                cudarc::driver::result::memcpy_htod_sync(
+                driver::write_at(
+                    &self.ctx,
                     self.graph_slots.ptr() + off as u64,
                     std::slice::from_ref(&t),
-                )
-            }
-            .during("cuMemcpyHtoD (graph pointer table)")?;
+                )?
+            };
         }
         Ok(n)
     }

@@ -2,7 +2,7 @@
 //! replays of a CUDA graph holding `per_graph` back-to-back collectives,
 //! median over replays. Used by `benches/allreduce.rs` and `p2p-allreduce bench`.
 
-use crate::abi::{Algorithm, Dtype};
+use crate::abi::Algorithm;
 use crate::error::{Context as _, Result};
 use crate::group::{DeviceElement, VirtualGroup};
 use crate::plan::AlgoChoice;
@@ -50,7 +50,6 @@ pub fn time_registered<T: DeviceElement>(
     algo: AlgoChoice,
     timing: Timing,
 ) -> Result<Sample> {
-    let ctx = stream.context().clone();
     let reg = group.alloc_registered::<T>(count.max(1))?;
     if count > 0 {
         let src = stream
@@ -67,52 +66,115 @@ pub fn time_registered<T: DeviceElement>(
                 .during("cuMemAlloc (bench output)")
         })
         .collect::<Result<_>>()?;
+    let streams = [stream.clone()];
     let mut used = Algorithm::OneStage;
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .during("cuStreamBeginCapture")?;
-    let mut r = Ok(());
-    for _ in 0..timing.per_graph {
-        match group.allreduce_registered(stream, &reg, count, &mut outs, algo) {
-            Ok(a) => used = a,
-            Err(e) => {
-                r = Err(e);
-                break;
-            }
+    let times = time_graphs(
+        &streams,
+        timing,
+        || {
+            used = group.allreduce_registered(stream, &reg, count, &mut outs, algo)?;
+            Ok(())
+        },
+        || Ok(()),
+        || group.check(stream),
+    )?;
+    Ok(Sample::from_times(used, times))
+}
+
+impl Sample {
+    /// Median, min and max of per-collective times in microseconds.
+    pub fn from_times(algorithm: Algorithm, mut times: Vec<f64>) -> Sample {
+        times.sort_by(f64::total_cmp);
+        Sample {
+            algorithm,
+            median_us: times[times.len() / 2],
+            min_us: times[0],
+            max_us: times[times.len() - 1],
         }
     }
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags(0))
-        .during("cuStreamEndCapture")?;
+}
+
+/// The project's timing method for any collective on any number of streams
+/// (one per rank driven from this process): every stream is captured into
+/// its own CUDA graph holding `per_graph` calls of `enqueue` (which enqueues
+/// one collective on every stream); the graphs are replayed `warmup` times,
+/// then `replays` times between CUDA events recorded on each stream. A
+/// replay's time is the slowest stream's; the result is microseconds per
+/// collective, one entry per replay. `after_capture` runs once between
+/// capture and the first replay (e.g. `ProcessGroup::register_captured`);
+/// `check` runs after the warm-up and at the end (it should wait for the
+/// streams and report kernel errors).
+///
+/// Ranks in other processes time their own streams the same way; the
+/// collectives' barriers keep the ranks in step.
+pub fn time_graphs(
+    streams: &[Arc<CudaStream>],
+    timing: Timing,
+    mut enqueue: impl FnMut() -> Result<()>,
+    after_capture: impl FnOnce() -> Result<()>,
+    check: impl Fn() -> Result<()>,
+) -> Result<Vec<f64>> {
+    for s in streams {
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .during("cuStreamBeginCapture")?;
+    }
+    let mut r = Ok(());
+    for _ in 0..timing.per_graph {
+        r = enqueue();
+        if r.is_err() {
+            break;
+        }
+    }
+    // Every capture is ended, also after an error.
+    let mut graphs = Vec::with_capacity(streams.len());
+    let mut end_err = Ok(());
+    for s in streams {
+        match s.end_capture(sys::CUgraphInstantiate_flags(0)) {
+            Ok(Some(g)) => graphs.push(g),
+            Ok(None) => {
+                end_err = Err(crate::Error::Config("captured graph is empty".into()));
+            }
+            Err(e) => end_err = Err(e).during("cuStreamEndCapture"),
+        }
+    }
     r?;
-    let graph = graph.ok_or_else(|| crate::Error::Config("captured graph is empty".into()))?;
+    end_err?;
+    after_capture()?;
     for _ in 0..timing.warmup {
-        graph.launch().during("cuGraphLaunch")?;
+        for g in &graphs {
+            g.launch().during("cuGraphLaunch")?;
+        }
     }
-    group.check(stream)?;
-    let mut times = Vec::with_capacity(timing.replays);
-    let start = ctx
-        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        .during("cuEventCreate")?;
-    let end = ctx
-        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        .during("cuEventCreate")?;
+    check()?;
+    let events = |s: &Arc<CudaStream>| {
+        let ctx = s.context();
+        Ok::<_, crate::Error>((
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .during("cuEventCreate")?,
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .during("cuEventCreate")?,
+        ))
+    };
+    let ev = streams.iter().map(events).collect::<Result<Vec<_>>>()?;
+    let mut times = Vec::with_capacity(timing.replays.max(1));
     for _ in 0..timing.replays.max(1) {
-        start.record(stream).during("cuEventRecord")?;
-        graph.launch().during("cuGraphLaunch")?;
-        end.record(stream).during("cuEventRecord")?;
-        end.synchronize().during("cuEventSynchronize")?;
-        let ms = start.elapsed_ms(&end).during("cuEventElapsedTime")?;
-        times.push(ms as f64 * 1000.0 / timing.per_graph as f64);
+        for ((s, g), (start, _)) in streams.iter().zip(&graphs).zip(&ev) {
+            start.record(s).during("cuEventRecord")?;
+            g.launch().during("cuGraphLaunch")?;
+        }
+        for (s, (_, end)) in streams.iter().zip(&ev) {
+            end.record(s).during("cuEventRecord")?;
+        }
+        let mut slowest = 0f64;
+        for (start, end) in &ev {
+            end.synchronize().during("cuEventSynchronize")?;
+            let ms = start.elapsed_ms(end).during("cuEventElapsedTime")?;
+            slowest = slowest.max(ms as f64);
+        }
+        times.push(slowest * 1000.0 / timing.per_graph as f64);
     }
-    group.check(stream)?;
-    times.sort_by(f64::total_cmp);
-    Ok(Sample {
-        algorithm: used,
-        median_us: times[times.len() / 2],
-        min_us: times[0],
-        max_us: times[times.len() - 1],
-    })
+    check()?;
+    Ok(times)
 }
 
 /// nccl-tests' bandwidth conventions: algbw = bytes / time, busbw = algbw x 2(N-1)/N.
@@ -120,9 +182,4 @@ pub fn bandwidths(bytes: usize, world: usize, us: f64) -> (f64, f64) {
     let algbw = bytes as f64 / (us * 1e-6) / 1e9;
     let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
     (algbw, busbw)
-}
-
-/// Bytes of one element of `dtype`, for sizing sweeps.
-pub fn elements_for_bytes(bytes: usize, dtype: Dtype) -> usize {
-    bytes / dtype.size()
 }

@@ -100,6 +100,13 @@ impl Thresholds {
     }
 }
 
+/// Automatic block cap for ranks that share one GPU (from the H200
+/// virtual-rank sweep, docs/benchmarks.md).
+pub const AUTO_BLOCKS_SAME_DEVICE: u32 = 16;
+/// Automatic block cap for ranks on distinct GPUs: large messages need many
+/// requests in flight to fill NVLink (2 x H200 sweep, docs/benchmarks.md).
+pub const AUTO_BLOCKS_CROSS_DEVICE: u32 = MAX_BLOCKS as u32;
+
 /// Group settings.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -111,8 +118,11 @@ pub struct Config {
     pub timeout: Duration,
     /// Threads per block (a multiple of 32, at least 32).
     pub threads_per_block: u32,
-    /// Blocks per rank, at most [`MAX_BLOCKS`].
-    pub max_blocks: u32,
+    /// Blocks per rank at most (1..=[`MAX_BLOCKS`]). `None` (the default):
+    /// chosen by the link, see [`Config::blocks_cap`]. Fewer blocks mean
+    /// fewer flags to exchange (small messages); more blocks keep more
+    /// requests in flight over NVLink or PCIe (large messages).
+    pub max_blocks: Option<u32>,
     /// Process messages larger than `max_bytes` in chunks; if false they
     /// are refused with `Error::MessageTooLarge`.
     pub chunking: bool,
@@ -130,7 +140,7 @@ impl Default for Config {
             max_bytes: 32 << 20,
             timeout: Duration::from_secs(10),
             threads_per_block: 512,
-            max_blocks: 16,
+            max_blocks: None,
             chunking: true,
             nccl_above: None,
             thresholds: Thresholds::default(),
@@ -139,7 +149,22 @@ impl Default for Config {
 }
 
 impl Config {
-    pub(crate) fn validate(&self) -> Result<(), String> {
+    /// The largest number of blocks per rank a collective over `link` may
+    /// use: `max_blocks` if set, else [`AUTO_BLOCKS_SAME_DEVICE`] for ranks
+    /// sharing a GPU (virtual ranks: every rank's blocks share its SMs) and
+    /// [`AUTO_BLOCKS_CROSS_DEVICE`] across devices. The kernels use fewer for
+    /// small messages ([`blocks_for`]); a launch is also refused when the
+    /// blocks could not all be resident at once.
+    pub fn blocks_cap(&self, link: Link) -> u32 {
+        self.max_blocks.unwrap_or(match link {
+            Link::SameDevice => AUTO_BLOCKS_SAME_DEVICE,
+            Link::NvLink | Link::Pcie => AUTO_BLOCKS_CROSS_DEVICE,
+        })
+    }
+
+    /// Checks the settings; the error says which one is out of range and
+    /// what to use. Groups call this when they are created.
+    pub fn validate(&self) -> Result<(), String> {
         if self.threads_per_block < 32
             || self.threads_per_block > 1024
             || self.threads_per_block % 32 != 0
@@ -149,11 +174,12 @@ impl Config {
                 self.threads_per_block
             ));
         }
-        if self.max_blocks == 0 || self.max_blocks as usize > MAX_BLOCKS {
-            return Err(format!(
-                "max_blocks = {}: use 1..={MAX_BLOCKS}",
-                self.max_blocks
-            ));
+        if let Some(b) = self.max_blocks {
+            if b == 0 || b as usize > MAX_BLOCKS {
+                return Err(format!(
+                    "max_blocks = Some({b}): use 1..={MAX_BLOCKS}, or None to choose by link"
+                ));
+            }
         }
         if self.max_bytes < crate::abi::PACK_BYTES * MAX_RANKS {
             return Err(format!(

@@ -11,7 +11,9 @@
 
 use crate::abi::{Algorithm, Dtype};
 use crate::error::{Context as _, Error, Result};
+use crate::exchange::Exchange;
 use crate::group::{DeviceElement, PeerGroup, VirtualGroup};
+use crate::ipc::ProcessGroup;
 use crate::plan::AlgoChoice;
 use crate::reference::{self, values};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -258,6 +260,43 @@ pub fn compare_rank(
     *wrong += got.len().abs_diff(want.len());
 }
 
+/// Counts the elements of rank `rank`'s result whose raw bits differ from
+/// rank 0's (`rank0`), keeping the first one (reported with rank 0's bits
+/// as `want`).
+pub fn compare_identical(
+    dtype: Dtype,
+    rank: usize,
+    got: &[u32],
+    rank0: &[u32],
+    wrong: &mut usize,
+    first: &mut Option<Mismatch>,
+) {
+    for (index, (&g, &w)) in got.iter().zip(rank0).enumerate() {
+        if g != w {
+            *wrong += 1;
+            first.get_or_insert(Mismatch {
+                dtype,
+                rank,
+                index,
+                got: g,
+                want: w,
+                inputs: Vec::new(),
+            });
+        }
+    }
+}
+
+/// A hash of a result's raw bits, for comparing ranks in other processes.
+pub fn bits_hash(bits: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bits {
+        for byte in b.to_le_bytes() {
+            h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// Fills a new device buffer of `len.max(1)` elements with the poison value.
 fn poisoned<T: Bits>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
     let host = vec![T::from_bits32(poison_bits(T::DTYPE)); len.max(1)];
@@ -306,6 +345,11 @@ fn judge(
     let mut first = None;
     for (rank, got) in outputs.iter().enumerate() {
         compare_rank(dtype, rank, got, want, &mut wrong, &mut first);
+    }
+    // Every rank must hold identical bits (NaN payloads too), beyond
+    // matching the reference value.
+    for (rank, got) in outputs.iter().enumerate().skip(1) {
+        compare_identical(dtype, rank, got, &outputs[0], &mut wrong, &mut first);
     }
     if let Some(m) = first.as_mut() {
         m.inputs = inputs
@@ -379,11 +423,10 @@ fn run_virtual_typed<T: Bits>(
     Ok(judge(case.dtype, used, &inputs, &want, &got))
 }
 
-/// Runs `case` (staged inputs; `case.registered` is ignored) on a
-/// [`PeerGroup`]: rank r's input and output live on `streams[r]`'s device
-/// and it launches on that stream. Zero-length cases are refused with
-/// `Error::Config` (the staged path takes `CudaSlice`s, which cannot be
-/// empty). Waits for every stream.
+/// Runs `case` on a [`PeerGroup`]: rank r's input and output live on
+/// `streams[r]`'s device and it launches on that stream; registered cases
+/// use the group's zero-copy buffers, empty ones the raw entry point.
+/// Waits for every stream.
 pub fn run_peer(group: &PeerGroup, streams: &[Arc<CudaStream>], case: &Case) -> Result<Outcome> {
     check_world(case, group.world())?;
     if streams.len() != case.world {
@@ -392,11 +435,6 @@ pub fn run_peer(group: &PeerGroup, streams: &[Arc<CudaStream>], case: &Case) -> 
             got: streams.len(),
             world: case.world,
         });
-    }
-    if case.len == 0 {
-        return Err(Error::Config(
-            "a zero-length case cannot run on a peer group (no empty CudaSlice)".into(),
-        ));
     }
     match case.dtype {
         Dtype::F32 => run_peer_typed::<f32>(group, streams, case),
@@ -413,6 +451,8 @@ fn run_peer_typed<T: Bits>(
     let len = case.len;
     let inputs = values::adversarial_inputs(case.dtype, case.world, len, case.seed, true);
     let want = reference::allreduce_bits(case.dtype, &reference::as_slices(&inputs));
+    // Uploads and poison are on each rank's own stream, ahead of its copy
+    // and launch; the kernels' Start barrier orders peers' reads after them.
     let ins = inputs
         .iter()
         .zip(streams)
@@ -422,19 +462,124 @@ fn run_peer_typed<T: Bits>(
         .iter()
         .map(|s| poisoned::<T>(s, len))
         .collect::<Result<Vec<_>>>()?;
-    // Every rank's kernel reads the other ranks' staging buffers, which are
-    // filled on the owners' streams before their launches; the barrier
-    // inside the kernel orders those reads. Uploads and poison are on each
-    // rank's own stream, ahead of its copy and launch.
-    let refs: Vec<&CudaSlice<T>> = ins.iter().collect();
-    let used = group.allreduce(streams, &refs, &mut outputs, case.algo)?;
-    group.check(streams)?;
+    let used = if case.registered {
+        let reg = group.alloc_registered::<T>(len.max(1))?;
+        if len > 0 {
+            for (r, src) in ins.iter().enumerate() {
+                reg.copy_from(r, &streams[r], src)?;
+            }
+        }
+        let used = group.allreduce_registered(streams, &reg, len, &mut outputs, case.algo)?;
+        group.check(streams)?;
+        used
+    } else if len == 0 {
+        let out_ptrs: Vec<u64> = outputs
+            .iter_mut()
+            .zip(streams)
+            .map(|(o, s)| o.device_ptr_mut(s).0)
+            .collect();
+        let in_ptrs: Vec<u64> = ins
+            .iter()
+            .zip(streams)
+            .map(|(i, s)| i.device_ptr(s).0)
+            .collect();
+        // SAFETY: no element is read or written for count 0; the pointers
+        // are live allocations on each rank's device.
+        let used =
+            unsafe { group.allreduce_raw(streams, case.dtype, 0, &in_ptrs, &out_ptrs, case.algo) }?;
+        group.check(streams)?;
+        used
+    } else {
+        let refs: Vec<&CudaSlice<T>> = ins.iter().collect();
+        let used = group.allreduce(streams, &refs, &mut outputs, case.algo)?;
+        group.check(streams)?;
+        used
+    };
     let got = outputs
         .iter()
         .zip(streams)
         .map(|(o, s)| download(s, o, len))
         .collect::<Result<Vec<_>>>()?;
     Ok(judge(case.dtype, used, &inputs, &want, &got))
+}
+
+/// Runs this process's rank of `case` on a [`ProcessGroup`] (staged input,
+/// raw entry for empty cases) and compares its result with the reference;
+/// then the ranks compare hashes of their results through `exchange`, so a
+/// rank whose bits differ from rank 0's is counted too. Every rank calls it
+/// with the same case.
+pub fn run_process(
+    group: &ProcessGroup,
+    exchange: &dyn Exchange,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+) -> Result<Outcome> {
+    check_world(case, group.world())?;
+    match case.dtype {
+        Dtype::F32 => run_process_typed::<f32>(group, exchange, stream, case),
+        Dtype::F16 => run_process_typed::<half::f16>(group, exchange, stream, case),
+        Dtype::Bf16 => run_process_typed::<half::bf16>(group, exchange, stream, case),
+    }
+}
+
+fn run_process_typed<T: Bits>(
+    group: &ProcessGroup,
+    exchange: &dyn Exchange,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+) -> Result<Outcome> {
+    let (rank, len) = (group.rank(), case.len);
+    let inputs = values::adversarial_inputs(case.dtype, case.world, len, case.seed, true);
+    let want = reference::allreduce_bits(case.dtype, &reference::as_slices(&inputs));
+    let run = || -> Result<(Algorithm, Vec<u32>)> {
+        let input = upload::<T>(stream, &inputs[rank])?;
+        let mut output = poisoned::<T>(stream, len)?;
+        let used = if len == 0 {
+            let o = output.device_ptr_mut(stream).0;
+            let i = input.device_ptr(stream).0;
+            // SAFETY: no element is read or written for count 0.
+            unsafe { group.allreduce_raw(stream, case.dtype, 0, i, o, case.algo) }?
+        } else {
+            group.allreduce(stream, &input, &mut output, case.algo)?
+        };
+        group.check(stream)?;
+        Ok((used, download(stream, &output, len)?))
+    };
+    let result = run();
+    // Every rank takes part in this exchange whatever happened, so that the
+    // ranks stay in step: a failed rank makes the case fail on every rank.
+    let mut mine = vec![u8::from(result.is_ok())];
+    let hash = result.as_ref().map_or(0, |(_, got)| bits_hash(got));
+    mine.extend_from_slice(&hash.to_le_bytes());
+    let all = exchange.all_gather(&mine)?;
+    let (used, got) = result?;
+    if let Some(p) = all.iter().position(|b| b.first() != Some(&1)) {
+        return Err(Error::Rendezvous(format!(
+            "rank {p} failed this case (its own output says why)"
+        )));
+    }
+    let mut wrong = 0;
+    let mut first = None;
+    compare_rank(case.dtype, rank, &got, &want, &mut wrong, &mut first);
+    if all[rank] != all[0] {
+        // Same values as the reference, other bits than rank 0 (NaN payloads).
+        wrong += 1;
+        first.get_or_insert(Mismatch {
+            dtype: case.dtype,
+            rank,
+            index: 0,
+            got: got.first().copied().unwrap_or(0),
+            want: want.first().copied().unwrap_or(0),
+            inputs: vec![],
+        });
+    }
+    if let Some(m) = first.as_mut() {
+        m.inputs = inputs
+            .iter()
+            .filter_map(|x| x.get(m.index).copied())
+            .collect();
+    }
+    Ok(Outcome { used, wrong, first })
 }
 
 /// Benchmark data: `len` non-trivial finite values of `dtype` (adversarial

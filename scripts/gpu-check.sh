@@ -28,7 +28,7 @@ for line in sys.stdin:
   cargo bench --no-run --bench allreduce --message-format=json | exes | while read -r name exe; do
     cp "$exe" ".carry/bin/bench-$name"
   done
-  cargo build --release --bin p2p-allreduce
+  cargo build --release --features nccl --bin p2p-allreduce
   cp target/release/p2p-allreduce .carry/bin/
   for need in test-gpu bench-allreduce p2p-allreduce; do
     [ -x ".carry/bin/$need" ] || { echo "gpu-check: build did not produce $need" >&2; exit 1; }
@@ -41,23 +41,32 @@ run)
   B=.carry/bin
   [ -x "$B/test-gpu" ] || { echo "gpu-check: $B/test-gpu missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
   status=0
-  # NCCL (feature `nccl` in test-gpu): cudarc looks for libnccl.so; the
-  # nvidia-nccl wheel ships libnccl.so.2, so link it under that name.
-  nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
-  if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
-    mkdir -p /tmp/p2p-ar-nccl && ln -sf "$nccl_dir/libnccl.so.2" /tmp/p2p-ar-nccl/libnccl.so
-    export LD_LIBRARY_PATH=/tmp/p2p-ar-nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  fi
-  export NCCL_NVLS_ENABLE=0
-  { nvidia-smi || true; } > "$OUT/nvidia-smi.txt" 2>&1
+  # libnccl is found by the library itself (LD_LIBRARY_PATH, else the
+  # nvidia-nccl wheels of the Pythons on PATH): no link is made here.
+  # NVLink multicast stays off on shared multi-GPU hosts.
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  { nvidia-smi; nvidia-smi topo -m; } > "$OUT/nvidia-smi.txt" 2>&1 || true
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   set -o pipefail
-  echo "== gpu suite"; timeout "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu" 2>&1 | tee "$OUT/gpu-suite.log" || status=1
-  echo "== benchmark"; BENCH_OUT="$OUT/bench.md" timeout "${GPU_BENCH_TIMEOUT:-150}" "$B/bench-allreduce" 2>&1 | tee "$OUT/bench.log" || status=1
-  if [ -x "$B/p2p-allreduce" ]; then
-    echo "== cli (default: info, quick check, short bench)"; timeout 120 "$B/p2p-allreduce" 2>&1 | tee "$OUT/cli.log" || status=1
-    echo "== cli check"; timeout 120 "$B/p2p-allreduce" check 2>&1 | tee "$OUT/check.log" || status=1
-    echo "== cli bench"; timeout 180 "$B/p2p-allreduce" bench --world 2,4,8 -d bf16 \
-      --plot "$OUT/latency.svg" --json "$OUT/bench.json" 2>&1 | tee -a "$OUT/check.log" || status=1
+  step() { # name timeout command...
+    local name=$1 t=$2; shift 2
+    echo "== $name"
+    timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" || { echo "== $name: FAILED (exit $?)"; status=1; }
+  }
+  step gpu-suite "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu"
+  if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then exit $status; fi
+  step cli-check 150 "$B/p2p-allreduce" check --quick
+  if [ "$ngpu" -ge 2 ]; then
+    step check-gpus 300 "$B/p2p-allreduce" check --gpus 0,1
+    step check-procs 300 "$B/p2p-allreduce" check --procs --gpus 0,1
+    step bench-gpus 300 "$B/p2p-allreduce" bench --gpus 0,1 -b 4K -e 64M \
+      --json "$OUT/bench-gpus.json" --plot "$OUT/bench-gpus.svg"
+    step bench-procs 300 "$B/p2p-allreduce" bench --procs --gpus 0,1 -b 4K -e 64M --json "$OUT/bench-procs.json"
+  else
+    echo "== two-GPU steps: not run ($ngpu GPU)"
+  fi
+  if [ "${GPU_CHECK_VIRTUAL_BENCH:-0}" = 1 ]; then
+    step bench-virtual 180 "$B/bench-allreduce"
   fi
   exit $status
   ;;

@@ -37,8 +37,10 @@ fn main() {
         ("chunked_large_message", chunked),
         ("peer_timeout_is_reported", timeout),
         ("user_errors_are_typed", user_errors),
-        ("peer_group_real_rank_entries", peer_group),
-        ("ipc_process_group_on_one_gpu", ipc_processes),
+        ("peer_group_real_rank_entries_every_gpu", peer_group),
+        ("peer_group_graph_replays", peer_group_graphs),
+        ("ipc_process_group_every_gpu", ipc_processes),
+        ("killed_rank_process_times_out_and_recovers", killed_rank),
         #[cfg(feature = "nccl")]
         ("nccl_group_and_routing_world_1", nccl_routed),
     ];
@@ -617,7 +619,7 @@ fn user_errors(g: &Gpu) {
             &g.ctx,
             2,
             Config {
-                max_blocks: 33,
+                max_blocks: Some(33),
                 ..Config::default()
             }
         ),
@@ -693,97 +695,435 @@ fn user_errors(g: &Gpu) {
             ..
         })
     ));
+    // Registered buffers are accepted only by the group that made them: a
+    // second group (or one made after the first was dropped) refuses them.
+    let other = group(g, 2);
+    assert!(matches!(
+        other.allreduce_registered(&g.stream, &reg, 10, &mut outs, AlgoChoice::Auto),
+        Err(Error::ForeignRegistered)
+    ));
+    // An explicit two-stage that does not fit the scratch is refused, not
+    // silently run as one-stage; Auto runs one-stage (same bits).
+    let tiny = VirtualGroup::new(
+        &g.ctx,
+        2,
+        Config {
+            max_bytes: 256,
+            ..Config::default()
+        },
+    )
+    .expect("group");
+    let reg_big = tiny.alloc_registered::<f32>(100).expect("registered");
+    assert!(matches!(
+        tiny.allreduce_registered(&g.stream, &reg_big, 100, &mut outs, AlgoChoice::TwoStage),
+        Err(Error::ScratchTooSmall {
+            bytes: 400,
+            capacity: 256
+        })
+    ));
+    assert_eq!(
+        tiny.allreduce_registered(&g.stream, &reg_big, 100, &mut outs, AlgoChoice::Auto)
+            .expect("auto"),
+        Algorithm::OneStage
+    );
+    tiny.check(&g.stream).expect("check");
+    // Two ranks of a PeerGroup on one stream would wait for each other
+    // forever (until the timeout): refused at once.
+    let pg = PeerGroup::new(&[g.ctx.clone(), g.ctx.clone()], Config::default()).expect("group");
+    let same = vec![g.stream.clone(), g.stream.clone()];
+    assert!(matches!(
+        pg.allreduce(&same, &[&a, &a], &mut outs, AlgoChoice::Auto),
+        Err(Error::SharedStream { a: 0, b: 1 })
+    ));
     // Messages are displayed with advice; print one of each kind we provoked.
     println!("  e.g.: {}", Error::WorldSize(9));
 }
 
+/// The GPUs of this machine, one context each (GPU 0's is the suite's own).
+fn all_gpus(g: &Gpu) -> Vec<Arc<CudaContext>> {
+    let n = driver::device_count().expect("device count");
+    let mut v = vec![g.ctx.clone()];
+    for i in 1..n {
+        let c = driver::open_device(i).expect("open GPU");
+        // SAFETY: as for GPU 0 in open_gpu: one stream per rank, no
+        // cross-stream sharing of slices; graph capture must not record events.
+        unsafe { c.disable_event_tracking() };
+        v.push(c);
+    }
+    v
+}
+
+/// Where the real-rank cases put their ranks: rank r on GPU `r % gpus`
+/// (distinct GPUs whenever there are enough), plus every rank on GPU 0.
+fn placements(n_gpus: usize) -> Vec<Vec<usize>> {
+    let mut v: Vec<Vec<usize>> = vec![vec![0], vec![0, 0], vec![0, 0, 0]];
+    if n_gpus >= 2 {
+        for world in 2..=n_gpus.min(8) {
+            v.push((0..world).map(|r| r % n_gpus).collect());
+        }
+        // More ranks than GPUs: some share a device, the rest are peers.
+        v.push((0..3).map(|r| r % n_gpus).collect());
+    }
+    v.dedup();
+    v
+}
+
+fn upload_on<T: Bits>(s: &Arc<CudaStream>, bits: &[u32]) -> CudaSlice<T> {
+    let host: Vec<T> = if bits.is_empty() {
+        vec![poison::<T>()]
+    } else {
+        bits.iter().map(|&b| T::from_bits32(b)).collect()
+    };
+    s.clone_htod(&host).expect("upload")
+}
+
+fn poisoned_on<T: Bits>(s: &Arc<CudaStream>, len: usize) -> CudaSlice<T> {
+    s.clone_htod(&vec![poison::<T>(); len.max(1)])
+        .expect("alloc output")
+}
+
+fn download_on<T: Bits>(s: &Arc<CudaStream>, o: &CudaSlice<T>, len: usize) -> Vec<u32> {
+    let v = s.clone_dtoh(o).expect("download");
+    v[..len].iter().map(|x| x.to_bits32()).collect()
+}
+
+/// Every rank's bits against the reference and against rank 0's bits.
+fn assert_ranks(what: &str, dtype: Dtype, outs: &[Vec<u32>], want: &[u32]) {
+    for (r, got) in outs.iter().enumerate() {
+        if let Some((i, a, b)) = reference::first_mismatch(dtype, got, want) {
+            panic!("{what}: rank {r} element {i}: got {a:#x}, want {b:#x}");
+        }
+        if let Some(i) = got.iter().zip(&outs[0]).position(|(a, b)| a != b) {
+            panic!(
+                "{what}: rank {r} element {i} has other bits than rank 0: {:#x} vs {:#x}",
+                got[i], outs[0][i]
+            );
+        }
+    }
+}
+
+fn peer_setup(
+    ctxs: &[Arc<CudaContext>],
+    place: &[usize],
+    cfg: Config,
+) -> (PeerGroup, Vec<Arc<CudaStream>>) {
+    let rank_ctxs: Vec<Arc<CudaContext>> = place.iter().map(|&d| ctxs[d].clone()).collect();
+    let grp = PeerGroup::new(&rank_ctxs, cfg)
+        .unwrap_or_else(|e| panic!("PeerGroup on GPUs {place:?}: {e}"));
+    let streams = rank_ctxs
+        .iter()
+        .map(|c| c.new_stream().expect("stream"))
+        .collect();
+    (grp, streams)
+}
+
 fn peer_group(g: &Gpu) {
-    // Real-rank entries: one launch per rank, each on its own stream. On one
-    // GPU the ranks share the device (link SameDevice).
-    for world in [1usize, 2, 3] {
-        let ctxs = vec![g.ctx.clone(); world];
-        let grp = PeerGroup::new(
+    // Real-rank entries: one launch per rank, each on its own stream, on
+    // every placement this machine allows (distinct GPUs when there are two
+    // or more). Staged, registered, empty and in-place calls, both algorithms.
+    let ctxs = all_gpus(g);
+    let mut cross = 0;
+    for place in placements(ctxs.len()) {
+        let world = place.len();
+        let (grp, streams) = peer_setup(
             &ctxs,
+            &place,
             Config {
                 max_bytes: 1 << 20,
-                max_blocks: 4,
                 ..Config::default()
             },
-        )
-        .expect("PeerGroup");
-        let streams: Vec<Arc<CudaStream>> = (0..world)
-            .map(|_| g.ctx.new_stream().expect("stream"))
-            .collect();
-        for algo in Algorithm::ALL {
-            for len in [0usize, 5, 40_003, 600_001] {
-                if len == 0 {
-                    continue;
-                }
-                let inputs = values::adversarial_inputs(Dtype::Bf16, world, len, len as u64, true);
-                let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
-                let want = reference::allreduce_bits(Dtype::Bf16, &refs);
-                let ins: Vec<CudaSlice<half::bf16>> = inputs.iter().map(|b| upload(g, b)).collect();
-                g.stream.synchronize().expect("sync uploads");
-                let in_refs: Vec<&CudaSlice<half::bf16>> = ins.iter().collect();
-                let mut outs: Vec<CudaSlice<half::bf16>> =
-                    (0..world).map(|_| poisoned(g, len)).collect();
-                g.stream.synchronize().expect("sync poison");
-                grp.allreduce(&streams, &in_refs, &mut outs, algo.into())
-                    .expect("peer allreduce");
-                grp.check(&streams)
-                    .unwrap_or_else(|e| panic!("world {world} {algo:?} len {len}: {e}"));
-                for (r, o) in outs.iter().enumerate() {
-                    let got = download(g, o, len);
-                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::Bf16, &got, &want) {
-                        panic!("peer group world {world} {algo:?} len {len} rank {r} element {i}: {a:#x} vs {b:#x}");
+        );
+        let distinct = place.iter().any(|&d| d != place[0]);
+        if distinct {
+            cross += 1;
+            assert_ne!(
+                grp.link(),
+                p2p_allreduce::Link::SameDevice,
+                "GPUs {place:?}: a group across devices must see their link"
+            );
+        }
+        for dtype in Dtype::ALL {
+            for algo in Algorithm::ALL {
+                for (k, len) in [0usize, 5, 40_003, 600_001].into_iter().enumerate() {
+                    let seed = (world * 100 + k) as u64 * 8 + dtype as u64 * 2 + algo as u64;
+                    let what = format!("PeerGroup GPUs {place:?} {dtype:?} {algo:?} len {len}");
+                    match dtype {
+                        Dtype::F32 => {
+                            peer_case::<f32>(&grp, &streams, dtype, algo, len, seed, &what)
+                        }
+                        Dtype::F16 => {
+                            peer_case::<half::f16>(&grp, &streams, dtype, algo, len, seed, &what)
+                        }
+                        Dtype::Bf16 => {
+                            peer_case::<half::bf16>(&grp, &streams, dtype, algo, len, seed, &what)
+                        }
                     }
                 }
             }
         }
+        println!(
+            "  PeerGroup on GPUs {place:?} ({:?}): staged, registered, empty and in-place calls bit-exact and identical on every rank",
+            grp.link()
+        );
     }
-    println!("  PeerGroup (real-rank entries, one stream per rank) worlds 1..3 bit-exact");
+    if ctxs.len() < 2 {
+        println!("  cross-device placements: not run (this machine has 1 GPU)");
+    } else {
+        assert!(cross > 0);
+    }
 }
 
-/// N processes on one GPU open each other's IPC handles and allreduce.
-/// Kernels of different processes time-slice on one GPU (no MPS), so the
-/// barriers make progress one time slice at a time: slow, but it must work.
-fn ipc_processes(_g: &Gpu) {
+/// Staged, registered and in-place allreduces of one shape on a PeerGroup.
+fn peer_case<T: Bits>(
+    grp: &PeerGroup,
+    streams: &[Arc<CudaStream>],
+    dtype: Dtype,
+    algo: Algorithm,
+    len: usize,
+    seed: u64,
+    what: &str,
+) {
+    let world = streams.len();
+    let inputs = values::adversarial_inputs(dtype, world, len, seed, true);
+    let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let want = reference::allreduce_bits(dtype, &refs);
+    let ins: Vec<CudaSlice<T>> = inputs
+        .iter()
+        .zip(streams)
+        .map(|(b, s)| upload_on::<T>(s, b))
+        .collect();
+    let read = |outs: &[CudaSlice<T>]| -> Vec<Vec<u32>> {
+        outs.iter()
+            .zip(streams)
+            .map(|(o, s)| download_on(s, o, len))
+            .collect()
+    };
+    // Staged (the typed call), or the raw call for an empty message.
+    let mut outs: Vec<CudaSlice<T>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    if len == 0 {
+        let o: Vec<u64> = outs
+            .iter_mut()
+            .zip(streams)
+            .map(|(o, s)| o.device_ptr_mut(s).0)
+            .collect();
+        let i: Vec<u64> = ins
+            .iter()
+            .zip(streams)
+            .map(|(x, s)| x.device_ptr(s).0)
+            .collect();
+        // SAFETY: zero elements are read or written.
+        let used = unsafe { grp.allreduce_raw(streams, dtype, 0, &i, &o, algo.into()) }
+            .unwrap_or_else(|e| panic!("{what} raw: {e}"));
+        assert_eq!(used, algo);
+    } else {
+        let in_refs: Vec<&CudaSlice<T>> = ins.iter().collect();
+        let used = grp
+            .allreduce(streams, &in_refs, &mut outs, algo.into())
+            .unwrap_or_else(|e| panic!("{what} staged: {e}"));
+        assert_eq!(used, algo, "{what}: explicit algorithm not honoured");
+    }
+    grp.check(streams)
+        .unwrap_or_else(|e| panic!("{what} staged: {e}"));
+    assert_ranks(&format!("{what} staged"), dtype, &read(&outs), &want);
+
+    // Registered (zero-copy) inputs.
+    let reg = grp
+        .alloc_registered::<T>(len.max(1))
+        .expect("alloc_registered");
+    if len > 0 {
+        for (r, s) in streams.iter().enumerate() {
+            reg.copy_from(r, s, &ins[r]).expect("copy into registered");
+        }
+    }
+    let mut outs: Vec<CudaSlice<T>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    let used = grp
+        .allreduce_registered(streams, &reg, len, &mut outs, algo.into())
+        .unwrap_or_else(|e| panic!("{what} registered: {e}"));
+    assert_eq!(used, algo);
+    grp.check(streams)
+        .unwrap_or_else(|e| panic!("{what} registered: {e}"));
+    assert_ranks(&format!("{what} registered"), dtype, &read(&outs), &want);
+
+    // In place: the output is the input (staged, so peers read the copy).
+    if len > 0 {
+        let mut inplace: Vec<CudaSlice<T>> = inputs
+            .iter()
+            .zip(streams)
+            .map(|(b, s)| upload_on::<T>(s, b))
+            .collect();
+        let p: Vec<u64> = inplace
+            .iter_mut()
+            .zip(streams)
+            .map(|(o, s)| o.device_ptr_mut(s).0)
+            .collect();
+        // SAFETY: each buffer holds `len` elements and lives until the check below.
+        unsafe { grp.allreduce_raw(streams, dtype, len, &p, &p, algo.into()) }
+            .unwrap_or_else(|e| panic!("{what} in place: {e}"));
+        grp.check(streams)
+            .unwrap_or_else(|e| panic!("{what} in place: {e}"));
+        assert_ranks(&format!("{what} in place"), dtype, &read(&inplace), &want);
+    }
+}
+
+/// PeerGroup allreduces captured in CUDA graphs (one graph per rank's
+/// stream), replayed with new data every replay: registered and staged.
+fn peer_group_graphs(g: &Gpu) {
+    let ctxs = all_gpus(g);
+    let place: Vec<usize> = if ctxs.len() >= 2 {
+        vec![0, 1]
+    } else {
+        vec![0, 0]
+    };
+    let (grp, streams) = peer_setup(
+        &ctxs,
+        &place,
+        Config {
+            max_bytes: 4 << 20,
+            ..Config::default()
+        },
+    );
+    let world = place.len();
+    let len = 200_003usize;
+    let reg = grp.alloc_registered::<f32>(len).expect("registered");
+    let mut staged_in: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    let mut out_reg: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    let mut out_staged: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    for s in &streams {
+        s.synchronize().expect("sync");
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("begin capture");
+    }
+    let in_refs: Vec<&CudaSlice<f32>> = staged_in.iter().collect();
+    let captured = grp
+        .allreduce_registered(&streams, &reg, len, &mut out_reg, AlgoChoice::OneStage)
+        .and_then(|_| grp.allreduce(&streams, &in_refs, &mut out_staged, AlgoChoice::TwoStage));
+    let graphs: Vec<_> = streams
+        .iter()
+        .map(|s| {
+            s.end_capture(sys::CUgraphInstantiate_flags(0))
+                .expect("end capture")
+                .expect("graph")
+        })
+        .collect();
+    captured.expect("allreduces during capture");
+    drop(in_refs);
+    for it in 0..50u64 {
+        let inputs = values::adversarial_inputs(Dtype::F32, world, len, 7000 + it, it % 4 == 0);
+        let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let want = reference::allreduce_bits(Dtype::F32, &refs);
+        for (r, s) in streams.iter().enumerate() {
+            let host: Vec<f32> = inputs[r].iter().map(|&b| f32::from_bits(b)).collect();
+            let tmp = s.clone_htod(&host).expect("htod");
+            reg.copy_from(r, s, &tmp).expect("registered input");
+            // The graph reads `staged_in[r]` itself: new data goes there.
+            s.memcpy_htod(&host, &mut staged_in[r])
+                .expect("staged input");
+            s.memcpy_htod(&vec![poison::<f32>(); len], &mut out_reg[r])
+                .expect("poison");
+            s.memcpy_htod(&vec![poison::<f32>(); len], &mut out_staged[r])
+                .expect("poison");
+            s.synchronize().expect("sync");
+        }
+        for gr in &graphs {
+            gr.launch().expect("graph launch");
+        }
+        grp.check(&streams)
+            .unwrap_or_else(|e| panic!("replay {it}: {e}"));
+        for (name, outs) in [("registered", &out_reg), ("staged", &out_staged)] {
+            let got: Vec<Vec<u32>> = outs
+                .iter()
+                .zip(&streams)
+                .map(|(o, s)| download_on(s, o, len))
+                .collect();
+            assert_ranks(
+                &format!("graph replay {it} {name}"),
+                Dtype::F32,
+                &got,
+                &want,
+            );
+        }
+    }
+    println!(
+        "  PeerGroup on GPUs {place:?} ({:?}): graphs of a registered one-stage and a staged two-stage allreduce, 50 replays with new data, bit-exact",
+        grp.link()
+    );
+}
+
+/// Starts this test binary as rank `rank` of an IPC group in `mode`.
+fn spawn_rank(
+    mode: &str,
+    rank: usize,
+    world: usize,
+    gpu: usize,
+    dir: &std::path::Path,
+) -> std::process::Child {
     let exe = std::env::current_exe().expect("current exe");
+    std::process::Command::new(exe)
+        .env("P2P_IPC_CHILD", rank.to_string())
+        .env("P2P_IPC_MODE", mode)
+        .env("P2P_IPC_WORLD", world.to_string())
+        .env("P2P_IPC_GPU", gpu.to_string())
+        .env("P2P_IPC_DIR", dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn rank process")
+}
+
+/// Waits at most until `deadline` (then kills it); returns whether it
+/// succeeded and what it printed.
+fn wait_rank(mut c: std::process::Child, deadline: Instant) -> (bool, String) {
+    let status = loop {
+        if let Some(st) = c.try_wait().expect("wait") {
+            break Some(st);
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = c.wait_with_output().expect("output");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    match status {
+        Some(st) if st.success() => (true, text),
+        Some(st) => (false, format!("({st}) {text}")),
+        None => (false, format!("(killed after the deadline) {text}")),
+    }
+}
+
+fn ipc_dir(what: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("p2p-ar-{what}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// N processes, rank r on GPU `r % gpus` (across devices when there are two
+/// or more GPUs; kernels of processes sharing a GPU time-slice, slowly but
+/// correctly), open each other's IPC handles and allreduce.
+fn ipc_processes(_g: &Gpu) {
+    let n = driver::device_count().expect("device count");
     for world in [2usize, 3] {
-        let dir = std::env::temp_dir().join(format!("p2p-ar-ipc-{}-{world}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let children: Vec<_> = (0..world)
-            .map(|r| {
-                std::process::Command::new(&exe)
-                    .env("P2P_IPC_CHILD", r.to_string())
-                    .env("P2P_IPC_WORLD", world.to_string())
-                    .env("P2P_IPC_DIR", &dir)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .expect("spawn rank process")
-            })
+        let dir = ipc_dir(&format!("ipc-{world}"));
+        let gpus: Vec<usize> = (0..world).map(|r| r % n).collect();
+        let children: Vec<_> = gpus
+            .iter()
+            .enumerate()
+            .map(|(r, &gpu)| spawn_rank("sweep", r, world, gpu, &dir))
             .collect();
         let t0 = Instant::now();
+        let deadline = t0 + Duration::from_secs(180);
         let mut failures = Vec::new();
-        for (r, mut c) in children.into_iter().enumerate() {
-            // Bounded wait: a stuck child is killed, never waited on forever.
-            let status = loop {
-                if let Some(st) = c.try_wait().expect("wait") {
-                    break Some(st);
-                }
-                if t0.elapsed() > Duration::from_secs(120) {
-                    let _ = c.kill();
-                    break None;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            };
-            let out = c.wait_with_output().expect("output");
-            let text = String::from_utf8_lossy(&out.stdout).to_string()
-                + &String::from_utf8_lossy(&out.stderr);
-            match status {
-                Some(st) if st.success() => println!("  world {world} rank {r}: {}", text.trim()),
-                other => failures.push(format!("world {world} rank {r} ({other:?}): {text}")),
+        for (r, c) in children.into_iter().enumerate() {
+            match wait_rank(c, deadline) {
+                (true, text) => println!(
+                    "  world {world} rank {r} (GPU {}): {}",
+                    gpus[r],
+                    text.trim()
+                ),
+                (false, text) => failures.push(format!("world {world} rank {r}: {text}")),
             }
         }
         let _ = std::fs::remove_dir_all(&dir);
@@ -793,13 +1133,218 @@ fn ipc_processes(_g: &Gpu) {
             failures.join("\n")
         );
         println!(
-            "  {world} processes completed allreduces over CUDA IPC in {:.2} s",
+            "  {world} processes on GPUs {gpus:?} completed allreduces over CUDA IPC in {:.2} s",
             t0.elapsed().as_secs_f64()
         );
+    }
+    if n < 2 {
+        println!("  cross-device IPC: not run (this machine has 1 GPU)");
+    }
+}
+
+/// The peer timeout of the killed-rank test.
+const KILL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Two rank processes (GPUs 0 and 1 when there are two) run allreduces in a
+/// loop; rank 1 is killed (SIGKILL) in the middle. The survivor must get
+/// `PeerTimeout` naming rank 1 within the configured timeout, nothing may
+/// hang, and after `reset()` the survivor forms a new group with a new
+/// rank-1 process and gets bit-exact results again.
+fn killed_rank(_g: &Gpu) {
+    let n = driver::device_count().expect("device count");
+    let gpus = [0, 1 % n];
+    let dir = ipc_dir("kill");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let survivor = spawn_rank("survivor", 0, 2, gpus[0], &dir);
+    let mut victim = spawn_rank("victim", 1, 2, gpus[1], &dir.join("first"));
+    let marker = dir.join("first").join("victim-running");
+    let t0 = Instant::now();
+    while !marker.exists() {
+        if let Ok(Some(st)) = victim.try_wait() {
+            let (_, text) = wait_rank(victim, Instant::now());
+            panic!("the victim ended before it was killed ({st}): {text}");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the victim never started its loop"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    victim.kill().expect("kill rank 1");
+    let killed_at = Instant::now();
+    let _ = victim.wait();
+    let rejoin = spawn_rank("rejoin", 1, 2, gpus[1], &dir.join("second"));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (ok0, text0) = wait_rank(survivor, deadline);
+    let (ok1, text1) = wait_rank(rejoin, deadline);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(ok0, "survivor failed: {text0}\nnew rank 1: {text1}");
+    assert!(ok1, "new rank 1 failed: {text1}\nsurvivor: {text0}");
+    println!("  GPUs {gpus:?}: {}", text0.trim());
+    println!(
+        "  (rank 1 killed {:.2} s into the run; the whole test ended {:.2} s after the kill)",
+        (killed_at - t0).as_secs_f64(),
+        killed_at.elapsed().as_secs_f64()
+    );
+}
+
+fn ipc_config(timeout: Duration) -> Config {
+    Config {
+        max_bytes: 256 << 10,
+        timeout,
+        ..Config::default()
+    }
+}
+
+/// One f32 allreduce of `len` elements on a ProcessGroup, checked against
+/// the reference on this rank.
+fn ipc_allreduce(
+    group: &ProcessGroup,
+    stream: &Arc<CudaStream>,
+    len: usize,
+    seed: u64,
+    algo: Algorithm,
+) -> Result<(), Error> {
+    let (rank, world) = (group.rank(), group.world());
+    let inputs = values::adversarial_inputs(Dtype::F32, world, len, seed, true);
+    let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let want = reference::allreduce_bits(Dtype::F32, &refs);
+    let mine: Vec<f32> = inputs[rank].iter().map(|&b| f32::from_bits(b)).collect();
+    let input = stream.clone_htod(&mine).expect("htod");
+    let mut output = stream
+        .clone_htod(&vec![poison::<f32>(); len])
+        .expect("htod");
+    group.allreduce(stream, &input, &mut output, algo.into())?;
+    group.check(stream)?;
+    let got: Vec<u32> = stream
+        .clone_dtoh(&output)
+        .expect("dtoh")
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, &got, &want) {
+        panic!("{algo:?} len {len}: element {i}: got {a:#x} want {b:#x}");
+    }
+    Ok(())
+}
+
+/// The killed-rank test's rank processes (see [`killed_rank`]).
+fn kill_child(rank: usize, mode: &str) -> Result<String, String> {
+    let env = |k: &str| std::env::var(k).map_err(|e| format!("{k}: {e}"));
+    let gpu: usize = env("P2P_IPC_GPU")?.parse().map_err(|e| format!("{e}"))?;
+    let dir = std::path::PathBuf::from(env("P2P_IPC_DIR")?);
+    let ctx = driver::open_device(gpu).map_err(|e| e.to_string())?;
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let join = |dir: &std::path::Path| -> Result<ProcessGroup, String> {
+        let ex =
+            DirExchange::new(dir, rank, 2, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+        ProcessGroup::new(&ctx, &ex, ipc_config(KILL_TIMEOUT)).map_err(|e| e.to_string())
+    };
+    let rounds = |group: &ProcessGroup| -> Result<(), String> {
+        for (k, len) in [1usize, 1000, 100_003].into_iter().enumerate() {
+            for algo in Algorithm::ALL {
+                ipc_allreduce(group, &stream, len, 50 + k as u64, algo)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    };
+    match mode {
+        "victim" => {
+            let group = join(&dir)?;
+            let t0 = Instant::now();
+            for i in 0u64.. {
+                ipc_allreduce(&group, &stream, 10_000, i, Algorithm::ALL[(i % 2) as usize])
+                    .map_err(|e| e.to_string())?;
+                if i == 20 {
+                    std::fs::write(dir.join("victim-running"), b"").map_err(|e| e.to_string())?;
+                }
+                if t0.elapsed() > Duration::from_secs(120) {
+                    break;
+                }
+            }
+            Err("the victim was never killed".into())
+        }
+        "survivor" => {
+            let group = join(&dir.join("first"))?;
+            let t0 = Instant::now();
+            let mut done = 0u64;
+            let (err, took) = loop {
+                let t = Instant::now();
+                match ipc_allreduce(
+                    &group,
+                    &stream,
+                    10_000,
+                    done,
+                    Algorithm::ALL[(done % 2) as usize],
+                ) {
+                    Ok(()) => done += 1,
+                    Err(e) => break (e, t.elapsed()),
+                }
+                if t0.elapsed() > Duration::from_secs(120) {
+                    return Err(format!(
+                        "no error after {done} allreduces: the peer's death was not noticed"
+                    ));
+                }
+            };
+            let peer = match err {
+                Error::PeerTimeout { peer, .. } => peer,
+                other => return Err(format!("expected PeerTimeout, got {other}")),
+            };
+            if peer != 1 {
+                return Err(format!(
+                    "PeerTimeout names peer {peer}, not the killed rank 1"
+                ));
+            }
+            if took > KILL_TIMEOUT + Duration::from_secs(2) {
+                return Err(format!(
+                    "the failing call took {took:?} with a {KILL_TIMEOUT:?} timeout"
+                ));
+            }
+            // Poisoned until reset; reset works without the dead peer.
+            match ipc_allreduce(&group, &stream, 10, 1, Algorithm::OneStage) {
+                Err(Error::Poisoned(_)) => {}
+                other => {
+                    return Err(format!(
+                        "after the timeout: expected Poisoned, got {other:?}"
+                    ))
+                }
+            }
+            group.reset().map_err(|e| format!("reset: {e}"))?;
+            drop(group);
+            let group = join(&dir.join("second"))?;
+            rounds(&group)?;
+            Ok(format!(
+                "{done} allreduces, then rank 1 was killed: PeerTimeout naming peer 1 after {:.2} s \
+                 (timeout {:?}); reset, new group with a new rank 1: 6 allreduces bit-exact",
+                took.as_secs_f64(),
+                KILL_TIMEOUT
+            ))
+        }
+        "rejoin" => {
+            let group = join(&dir)?;
+            rounds(&group)?;
+            Ok("joined the new group; 6 allreduces bit-exact".into())
+        }
+        other => Err(format!("unknown mode {other}")),
     }
 }
 
 fn ipc_child(rank: usize) -> i32 {
+    let mode = std::env::var("P2P_IPC_MODE").unwrap_or_else(|_| "sweep".into());
+    if mode != "sweep" {
+        return match kill_child(rank, &mode) {
+            Ok(msg) => {
+                println!("{msg}");
+                0
+            }
+            Err(e) => {
+                println!("rank {rank} ({mode}): {e}");
+                1
+            }
+        };
+    }
     let run = || -> Result<String, String> {
         let world: usize = std::env::var("P2P_IPC_WORLD")
             .map_err(|e| e.to_string())?
@@ -807,17 +1352,16 @@ fn ipc_child(rank: usize) -> i32 {
             .map_err(|e| format!("{e}"))?;
         let dir =
             std::path::PathBuf::from(std::env::var("P2P_IPC_DIR").map_err(|e| e.to_string())?);
-        let ctx = driver::open_device(0).map_err(|e| e.to_string())?;
+        let gpu: usize = std::env::var("P2P_IPC_GPU")
+            .map_err(|e| e.to_string())?
+            .parse()
+            .map_err(|e| format!("{e}"))?;
+        let ctx = driver::open_device(gpu).map_err(|e| e.to_string())?;
         let stream = ctx.new_stream().map_err(|e| e.to_string())?;
         let ex = DirExchange::new(&dir, rank, world, Duration::from_secs(60))
             .map_err(|e| e.to_string())?;
-        let cfg = Config {
-            max_bytes: 256 << 10,
-            timeout: Duration::from_secs(30),
-            max_blocks: 2,
-            ..Config::default()
-        };
-        let group = ProcessGroup::new(&ctx, &ex, cfg).map_err(|e| e.to_string())?;
+        let group = ProcessGroup::new(&ctx, &ex, ipc_config(Duration::from_secs(30)))
+            .map_err(|e| e.to_string())?;
         let mut done = 0;
         for algo in Algorithm::ALL {
             for len in [1usize, 1000, 100_003] {
@@ -956,9 +1500,10 @@ fn ipc_child(rank: usize) -> i32 {
             }
         }
         Ok(format!(
-            "{done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32); \
+            "link {:?}: {done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32); \
              checked mode accepts agreeing ranks and refuses a length mismatch; \
-             graph-captured zero-copy allreduces: Unregistered before register_captured, 20 replays bit-exact after"
+             graph-captured zero-copy allreduces: Unregistered before register_captured, 20 replays bit-exact after",
+            group.link()
         ))
     };
     match run() {
@@ -973,53 +1518,83 @@ fn ipc_child(rank: usize) -> i32 {
     }
 }
 
-/// NCCL through cudarc (feature `nccl`): one GPU allows a world of 1 only
-/// (NCCL refuses two ranks on one device), which still checks the wiring:
-/// the communicator, the group call, and `allreduce_routed`'s hand-over.
+/// NCCL (feature `nccl`), loaded without any link made by hand: across
+/// every GPU when there are two or more (NCCL refuses two ranks on one
+/// device; with one GPU only world 1, which still checks the wiring). Two
+/// ranks' sums are a single addition, so NCCL's bits equal the reference's
+/// then. Also `PeerGroup::allreduce_routed`'s hand-over above `nccl_above`.
 #[cfg(feature = "nccl")]
 fn nccl_routed(g: &Gpu) {
-    use p2p_allreduce::nccl::NcclGroup;
+    use p2p_allreduce::nccl::{self, NcclGroup};
     use p2p_allreduce::Route;
-    let n = NcclGroup::new(std::slice::from_ref(&g.stream))
-        .expect("NCCL communicator (is libnccl.so on LD_LIBRARY_PATH?)");
-    let bits = values::adversarial_inputs(Dtype::F32, 1, 10_007, 5, false);
-    let input = upload::<f32>(g, &bits[0]);
-    let mut outs = vec![poisoned::<f32>(g, 10_007)];
-    n.allreduce(&[&input], &mut outs).expect("ncclAllReduce");
-    g.stream.synchronize().expect("sync");
-    assert_eq!(
-        download::<f32>(g, &outs[0], 10_007),
-        bits[0],
-        "NCCL world-1 allreduce is a copy"
-    );
+    let (path, version) = nccl::library().expect("libnccl found without a hand-made link");
+    println!("  NCCL {version} from {path}");
+    let ctxs = all_gpus(g);
+    let world = ctxs.len().min(2);
+    let streams: Vec<Arc<CudaStream>> = ctxs[..world]
+        .iter()
+        .map(|c| c.new_stream().expect("stream"))
+        .collect();
+    let n = NcclGroup::new(&streams).expect("NCCL communicators");
+    let len = 10_007;
+    let bits = values::adversarial_inputs(Dtype::F32, world, len, 5, false);
+    let refs: Vec<&[u32]> = bits.iter().map(|v| v.as_slice()).collect();
+    let want = reference::allreduce_bits(Dtype::F32, &refs);
+    let inputs: Vec<CudaSlice<f32>> = bits
+        .iter()
+        .zip(&streams)
+        .map(|(b, s)| upload_on::<f32>(s, b))
+        .collect();
+    let in_refs: Vec<&CudaSlice<f32>> = inputs.iter().collect();
+    let mut outs: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    n.allreduce(&streams, &in_refs, &mut outs)
+        .expect("ncclAllReduce");
+    let got: Vec<Vec<u32>> = outs
+        .iter()
+        .zip(&streams)
+        .map(|(o, s)| download_on(s, o, len))
+        .collect();
+    assert_ranks(&format!("NCCL world {world}"), Dtype::F32, &got, &want);
 
+    let rank_ctxs: Vec<Arc<CudaContext>> = ctxs[..world].to_vec();
     let mut grp = PeerGroup::new(
-        std::slice::from_ref(&g.ctx),
+        &rank_ctxs,
         Config {
             nccl_above: Some(1024),
             ..Config::default()
         },
     )
     .expect("group");
-    grp.enable_nccl(std::slice::from_ref(&g.stream))
-        .expect("enable_nccl");
-    let streams = vec![g.stream.clone()];
+    grp.enable_nccl(&streams).expect("enable_nccl");
     for (len, want_route) in [
         (10_007usize, Route::Nccl),
         (100, Route::Kernel(Algorithm::OneStage)),
     ] {
-        let mut outs = vec![poisoned::<f32>(g, len)];
-        let input = upload::<f32>(g, &bits[0][..len]);
+        let mut outs: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+        let ins: Vec<CudaSlice<f32>> = bits
+            .iter()
+            .zip(&streams)
+            .map(|(b, s)| upload_on::<f32>(s, &b[..len]))
+            .collect();
+        let in_refs: Vec<&CudaSlice<f32>> = ins.iter().collect();
         let route = grp
-            .allreduce_routed(&streams, &[&input], &mut outs, AlgoChoice::Auto)
+            .allreduce_routed(&streams, &in_refs, &mut outs, AlgoChoice::Auto)
             .expect("routed");
         grp.check(&streams).expect("check");
         assert_eq!(route, want_route, "len {len}");
-        assert_eq!(
-            download::<f32>(g, &outs[0], len),
-            bits[0][..len].to_vec(),
-            "len {len} via {route:?}"
+        let got: Vec<Vec<u32>> = outs
+            .iter()
+            .zip(&streams)
+            .map(|(o, s)| download_on(s, o, len))
+            .collect();
+        assert_ranks(
+            &format!("routed len {len} via {route:?}"),
+            Dtype::F32,
+            &got,
+            &want[..len],
         );
     }
-    println!("  NCCL world 1: allreduce correct; Auto hands messages above nccl_above to NCCL, smaller ones to the kernels");
+    println!(
+        "  NCCL world {world} (GPUs 0..{world}): allreduce equals the reference; Auto hands messages above nccl_above to NCCL, smaller ones to the kernels"
+    );
 }

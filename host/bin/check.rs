@@ -1,11 +1,14 @@
 //! `p2p-allreduce check`: a bit-exact validation sweep.
 
+use crate::procs::{self, RankEnv};
 use crate::{open_gpu, parse_algo_arg, parse_dtype_arg, parse_world_arg, progress, NOTHING_RAN};
 use cudarc::driver::{CudaContext, CudaStream};
 use indicatif::ProgressBar;
 use p2p_allreduce::abi::{Dtype, MAX_RANKS};
 use p2p_allreduce::validate::{self, Case, Outcome};
-use p2p_allreduce::{AlgoChoice, Config, Error, PeerGroup, VirtualGroup};
+use p2p_allreduce::{
+    AlgoChoice, Config, Error, Exchange as _, PeerGroup, ProcessGroup, VirtualGroup,
+};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -33,6 +36,11 @@ pub struct CheckArgs {
     /// Print every case, not only failures.
     #[arg(long, short)]
     pub verbose: bool,
+    /// One process per GPU (the GPUs of `--gpus`, else every GPU), as
+    /// serving engines run: a ProcessGroup over CUDA IPC; world = number of
+    /// processes.
+    #[arg(long)]
+    pub procs: bool,
 }
 
 /// Tally of a sweep.
@@ -44,21 +52,20 @@ struct Tally {
 }
 
 pub fn run(args: &CheckArgs) -> ExitCode {
-    let dtypes = if args.dtype.is_empty() {
-        Dtype::ALL.to_vec()
-    } else {
-        args.dtype.clone()
-    };
-    let algos = if args.algo.is_empty() {
-        vec![AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto]
-    } else {
-        args.algo.clone()
-    };
-    let lengths = if args.quick {
-        validate::QUICK_LENGTHS
-    } else {
-        validate::LENGTHS
-    };
+    if args.procs {
+        return match RankEnv::get() {
+            Some(env) => run_rank(args, &env),
+            None => {
+                let gpus = procs::gpus_or_all(&args.gpus);
+                if gpus.is_empty() {
+                    eprintln!("check: nothing to do: no GPU found for --procs");
+                    return ExitCode::from(NOTHING_RAN);
+                }
+                procs::run_ranks("check", &gpus, PROCS_DEADLINE)
+            }
+        };
+    }
+    let (dtypes, algos, lengths) = selection(args);
     let real_ranks = args.gpus.len() >= 2;
     let worlds: Vec<usize> = if !args.world.is_empty() {
         args.world.clone()
@@ -85,9 +92,9 @@ pub fn run(args: &CheckArgs) -> ExitCode {
             }
         }
         println!(
-            "check: real ranks (PeerGroup) on GPUs {:?}; worlds {worlds:?}; {} lengths; staged inputs",
+            "check: real ranks (PeerGroup, one process) on GPUs {:?}; worlds {worlds:?}; {} lengths; staged and registered inputs",
             args.gpus,
-            lengths.iter().filter(|&&l| l > 0).count()
+            lengths.len()
         );
         sweep_peer(&ctxs, &worlds, &dtypes, &algos, lengths, args, &mut tally);
     } else {
@@ -102,21 +109,133 @@ pub fn run(args: &CheckArgs) -> ExitCode {
         );
         sweep_virtual(&ctx, &worlds, &dtypes, &algos, lengths, args, &mut tally);
     }
-    if tally.skipped > 0 {
+    tally.finish("check")
+}
+
+/// How long a `--procs` check may run before its ranks are killed.
+const PROCS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(900);
+
+/// The dtypes, algorithms and lengths the arguments select.
+fn selection(args: &CheckArgs) -> (Vec<Dtype>, Vec<AlgoChoice>, &'static [usize]) {
+    let dtypes = if args.dtype.is_empty() {
+        Dtype::ALL.to_vec()
+    } else {
+        args.dtype.clone()
+    };
+    let algos = if args.algo.is_empty() {
+        vec![AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto]
+    } else {
+        args.algo.clone()
+    };
+    let lengths = if args.quick {
+        validate::QUICK_LENGTHS
+    } else {
+        validate::LENGTHS
+    };
+    (dtypes, algos, lengths)
+}
+
+impl Tally {
+    /// Prints the summary line (`what: N passed, M failed[, K skipped]`)
+    /// and turns the tally into the exit code.
+    fn finish(&self, what: &str) -> ExitCode {
+        if self.skipped > 0 {
+            println!(
+                "{what}: {} passed, {} failed, {} skipped",
+                self.passed, self.failed, self.skipped
+            );
+        } else {
+            println!("{what}: {} passed, {} failed", self.passed, self.failed);
+        }
+        if self.failed > 0 {
+            ExitCode::FAILURE
+        } else if self.passed == 0 {
+            ExitCode::from(NOTHING_RAN)
+        } else {
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// One rank of `check --procs`: forms the ProcessGroup with the other rank
+/// processes and runs the sweep for world = number of processes. After a
+/// failed case every rank resets and meets the others before the next one.
+fn run_rank(args: &CheckArgs, env: &RankEnv) -> ExitCode {
+    let (dtypes, algos, lengths) = selection(args);
+    let ctx = match open_gpu("check", env.gpu) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let fail = |what: &str, e: &dyn std::fmt::Display| {
         println!(
-            "check: {} passed, {} failed, {} skipped",
-            tally.passed, tally.failed, tally.skipped
+            "check: rank {} on GPU {}: cannot {what}: {e}",
+            env.rank, env.gpu
         );
-    } else {
-        println!("check: {} passed, {} failed", tally.passed, tally.failed);
-    }
-    if tally.failed > 0 {
         ExitCode::FAILURE
-    } else if tally.passed == 0 {
-        ExitCode::from(NOTHING_RAN)
-    } else {
-        ExitCode::SUCCESS
+    };
+    let stream = match ctx.new_stream() {
+        Ok(s) => s,
+        Err(e) => return fail("create a stream", &e),
+    };
+    let ex = match env.exchange() {
+        Ok(x) => x,
+        Err(e) => return fail("join the rendezvous", &e),
+    };
+    let group = match ProcessGroup::new(&ctx, &ex, config_for(lengths, None)) {
+        Ok(g) => g,
+        Err(e) => return fail("form the ProcessGroup", &e),
+    };
+    if env.rank == 0 {
+        println!(
+            "check: one process per GPU (ProcessGroup over CUDA IPC), world {}, link {:?}; {} lengths; staged inputs",
+            env.world,
+            group.link(),
+            lengths.len()
+        );
+        if !args.world.is_empty() && args.world != [env.world] {
+            println!(
+                "check: note: --world is ignored with --procs (world = number of processes = {})",
+                env.world
+            );
+        }
     }
+    let cases = validate::sweep(&dtypes, &[env.world], lengths, &algos, false, false);
+    let pb = progress(cases.len() as u64, "check");
+    let mut tally = Tally::default();
+    let before = (0, 0);
+    for case in &cases {
+        pb.set_message(format!("{case}"));
+        let r = validate::run_process(&group, &ex, &stream, case);
+        let failed_case = r.is_err();
+        record(&pb, &mut tally, case, r, args.verbose);
+        if failed_case {
+            // Every rank saw this case fail (the status exchange in
+            // run_process): all reset, then meet before the next case.
+            if let Err(e) = group
+                .reset()
+                .and_then(|()| ex.all_gather(b"reset").map(|_| ()))
+            {
+                pb.suspend(|| println!("  rank {}: reset failed: {e}", env.rank));
+                break;
+            }
+        }
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    summary_line(
+        &pb,
+        &format!(
+            "rank {} of {} processes, {:?}",
+            env.rank,
+            env.world,
+            group.link()
+        ),
+        env.world,
+        before,
+        &tally,
+        cases.len(),
+    );
+    tally.finish(&format!("check (rank {})", env.rank))
 }
 
 /// Records one case's result; prints failures (and everything with -v).
@@ -174,7 +293,7 @@ fn sweep_virtual(
     for &world in worlds {
         let before = (tally.passed, tally.failed);
         let world_cases: Vec<&Case> = cases.iter().filter(|c| c.world == world).collect();
-        let g = match VirtualGroup::new(ctx, world, config_for(lengths, 16)) {
+        let g = match VirtualGroup::new(ctx, world, config_for(lengths, None)) {
             Ok(g) => g,
             Err(e) => {
                 skip_world(&pb, tally, world, &world_cases, "create the group", &e);
@@ -204,7 +323,7 @@ fn sweep_peer(
     args: &CheckArgs,
     tally: &mut Tally,
 ) {
-    let cases = validate::sweep(dtypes, worlds, lengths, algos, false, true);
+    let cases = validate::sweep(dtypes, worlds, lengths, algos, true, false);
     let pb = progress(cases.len() as u64, "check");
     for &world in worlds {
         let before = (tally.passed, tally.failed);
@@ -224,7 +343,7 @@ fn sweep_peer(
         // Ranks sharing a GPU must all be resident at once: fewer blocks each.
         let shared =
             (1..world).any(|i| ranks[..i].iter().any(|c| c.ordinal() == ranks[i].ordinal()));
-        let group = match PeerGroup::new(ranks, config_for(lengths, if shared { 4 } else { 16 })) {
+        let group = match PeerGroup::new(ranks, config_for(lengths, shared.then_some(4))) {
             Ok(g) => g,
             Err(e @ Error::NoPeerAccess { .. }) => {
                 pb.suspend(|| println!("  world {world}: skipped: {e}"));
@@ -302,7 +421,7 @@ fn run_cases(
     }
 }
 
-fn config_for(lengths: &[usize], max_blocks: u32) -> Config {
+fn config_for(lengths: &[usize], max_blocks: Option<u32>) -> Config {
     let longest = lengths.iter().copied().max().unwrap_or(0) * 4;
     Config {
         max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),

@@ -16,6 +16,7 @@ mod bench;
 mod check;
 mod info;
 mod plot;
+mod procs;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
