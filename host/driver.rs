@@ -257,6 +257,25 @@ impl Kernels {
         Ok(f)
     }
 
+    /// Resolves every entry a group of `world` ranks can launch (function
+    /// handle and co-resident capacity), so that no allreduce makes these
+    /// driver calls later: a first call inside CUDA-graph capture must not
+    /// have to.
+    pub fn prepare(&self, world: usize, virtual_ranks: bool, threads: u32) -> Result<()> {
+        for algorithm in crate::abi::Algorithm::ALL {
+            for dtype in crate::abi::Dtype::ALL {
+                let entry = Entry {
+                    algorithm,
+                    dtype,
+                    world,
+                    virtual_ranks,
+                };
+                self.co_resident_blocks(entry, threads)?;
+            }
+        }
+        Ok(())
+    }
+
     /// How many blocks of `threads` threads of `entry` fit on the whole GPU at once.
     pub fn co_resident_blocks(&self, entry: Entry, threads: u32) -> Result<u32> {
         if let Some(c) = self

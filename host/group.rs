@@ -446,6 +446,7 @@ impl VirtualGroup {
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
         let kernels = Kernels::for_context(ctx)?;
+        kernels.prepare(world, true, config.threads_per_block)?;
         let ranks = (0..world)
             .map(|_| RankBuffers::new(ctx, config.max_bytes))
             .collect::<Result<Vec<_>>>()?;
@@ -820,10 +821,9 @@ impl PeerGroup {
         }
         let mut ranks = Vec::with_capacity(world);
         for ctx in contexts {
-            ranks.push((
-                Kernels::for_context(ctx)?,
-                RankBuffers::new(ctx, config.max_bytes)?,
-            ));
+            let kernels = Kernels::for_context(ctx)?;
+            kernels.prepare(world, false, config.threads_per_block)?;
+            ranks.push((kernels, RankBuffers::new(ctx, config.max_bytes)?));
         }
         let refs: Vec<&RankBuffers> = ranks.iter().map(|(_, b)| b).collect();
         let t = table(|r| refs[r].staging.ptr(), &refs);

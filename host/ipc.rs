@@ -183,6 +183,7 @@ impl ProcessGroup {
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
         let kernels = Kernels::for_context(ctx)?;
+        kernels.prepare(world, false, config.threads_per_block)?;
         let own = RankBuffers::new(ctx, config.max_bytes)?;
         let bus = driver::pci_bus_id(ctx)?;
         let mine = Record {

@@ -501,12 +501,17 @@ fn chunked(g: &Gpu) {
                 );
             }
         }
-        // Registered inputs larger than scratch fall back to one-stage.
+        // Registered inputs larger than scratch: Auto runs one-stage (same
+        // bits), an explicit two-stage is refused rather than changed.
         let reg = grp.alloc_registered::<f32>(300_001).expect("registered");
         let mut outs: Vec<CudaSlice<f32>> =
             (0..world).map(|_| poisoned::<f32>(g, 300_001)).collect();
+        assert!(matches!(
+            grp.allreduce_registered(&g.stream, &reg, 300_001, &mut outs, AlgoChoice::TwoStage),
+            Err(Error::ScratchTooSmall { .. })
+        ));
         let used = grp
-            .allreduce_registered(&g.stream, &reg, 300_001, &mut outs, AlgoChoice::TwoStage)
+            .allreduce_registered(&g.stream, &reg, 300_001, &mut outs, AlgoChoice::Auto)
             .expect("registered large");
         assert_eq!(used, Algorithm::OneStage);
         grp.check(&g.stream).expect("check");
@@ -619,7 +624,7 @@ fn user_errors(g: &Gpu) {
             &g.ctx,
             2,
             Config {
-                max_blocks: Some(33),
+                max_blocks: Some(65),
                 ..Config::default()
             }
         ),
@@ -936,6 +941,16 @@ fn peer_case<T: Bits>(
         }
     }
     let mut outs: Vec<CudaSlice<T>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    // Registered calls are not chunked: a two-stage larger than the scratch
+    // is refused (Auto would run one-stage), so it runs one-stage here.
+    let fits = len * dtype.size() <= grp.config().max_bytes;
+    let algo = if fits { algo } else { Algorithm::OneStage };
+    if !fits {
+        assert!(matches!(
+            grp.allreduce_registered(streams, &reg, len, &mut outs, AlgoChoice::TwoStage),
+            Err(Error::ScratchTooSmall { .. })
+        ));
+    }
     let used = grp
         .allreduce_registered(streams, &reg, len, &mut outs, algo.into())
         .unwrap_or_else(|e| panic!("{what} registered: {e}"));
@@ -990,7 +1005,11 @@ fn peer_group_graphs(g: &Gpu) {
     let mut out_staged: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
     for s in &streams {
         s.synchronize().expect("sync");
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    }
+    // Relaxed: ending (and instantiating) one capture while the other stream
+    // still captures is refused in thread-local mode.
+    for s in &streams {
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .expect("begin capture");
     }
     let in_refs: Vec<&CudaSlice<f32>> = staged_in.iter().collect();

@@ -10,7 +10,7 @@ pub const MAX_RANKS: usize = 8;
 
 /// Largest number of thread blocks per rank in one launch. Each block owns a
 /// row of flags in every [`Signal`], so this bounds the signal size.
-pub const MAX_BLOCKS: usize = 32;
+pub const MAX_BLOCKS: usize = 64;
 
 /// Bytes per vector access: each thread moves 16-byte packs.
 pub const PACK_BYTES: usize = 16;
@@ -96,7 +96,7 @@ pub struct Signal {
     pub end: [[u32; MAX_RANKS]; MAX_BLOCKS],
     pub epoch: [u32; MAX_BLOCKS],
     pub error: ErrorRecord,
-    pub _pad: [u32; 216],
+    pub _pad: [u32; 440],
 }
 
 impl Signal {
@@ -154,7 +154,7 @@ pub struct LaunchArgs {
 const _: () = {
     use core::mem::{align_of, offset_of, size_of};
     assert!(size_of::<ErrorRecord>() == 32);
-    assert!(size_of::<Signal>() == 4096);
+    assert!(size_of::<Signal>() == 8192);
     assert!(align_of::<Signal>() == 128);
     assert!(offset_of!(Signal, mid) == Signal::flag_offset(BarrierKind::Mid, 0, 0));
     assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0));

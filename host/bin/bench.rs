@@ -86,9 +86,12 @@ pub struct BenchArgs {
     /// ProcessGroup over CUDA IPC, graphs registered after capture.
     #[arg(long)]
     pub procs: bool,
-    /// Blocks per rank at most (1..=32); default: chosen by the link.
+    /// Blocks per rank at most (1..=64); default: chosen by the link.
     #[arg(long)]
     pub max_blocks: Option<u32>,
+    /// Threads per block (a multiple of 32, 32..=1024).
+    #[arg(long, default_value_t = 512)]
+    pub threads: u32,
     /// Leave out the NCCL rows on real ranks.
     #[arg(long)]
     pub no_nccl: bool,
@@ -115,6 +118,7 @@ impl Default for BenchArgs {
             gpus: Vec::new(),
             procs: false,
             max_blocks: None,
+            threads: 512,
             no_nccl: false,
             no_check: false,
         }
@@ -1148,12 +1152,13 @@ fn describe(ctx: &Arc<CudaContext>) -> String {
 fn header(devices: &str, mode: &str, args: &BenchArgs, sizes: &[usize]) {
     println!("# p2p-allreduce bench: {devices}");
     println!(
-        "# {mode}; time = median of {} replays of a CUDA graph of {} allreduces ({} warm-up replays); blocks per rank: {}",
+        "# {mode}; time = median of {} replays of a CUDA graph of {} allreduces ({} warm-up replays); blocks per rank: {}, {} threads each",
         args.iters,
         args.per_graph,
         args.warmup_iters,
         args.max_blocks
-            .map_or("chosen by the link".to_string(), |b| format!("at most {b}"))
+            .map_or("chosen by the link".to_string(), |b| format!("at most {b}")),
+        args.threads
     );
     println!(
         "# {} x {} sizes ({}..{}, x{}), algorithms {}",
@@ -1224,6 +1229,7 @@ fn config(args: &BenchArgs, max_size: usize) -> Config {
             .next_multiple_of(4096)
             .max(PACK_BYTES * p2p_allreduce::abi::MAX_RANKS),
         max_blocks: args.max_blocks,
+        threads_per_block: args.threads,
         ..Config::default()
     }
 }
