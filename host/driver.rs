@@ -81,6 +81,48 @@ pub fn module_for_device(ctx: &Arc<CudaContext>) -> Result<&'static PtxModule> {
     })
 }
 
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Types whose every bit pattern is a valid value (no padding read as
+/// data, no invalid states such as `bool` or `char` have): the only types
+/// [`DeviceAlloc::read`] and [`DeviceAlloc::write`] move. Sealed: the list
+/// below is the whole set.
+///
+/// # Safety
+/// Implementors must be `Copy`, contain no pointers the host would follow,
+/// and accept any bit pattern.
+pub unsafe trait PlainData: Copy + sealed::Sealed {
+    /// The all-zero value.
+    fn zeroed() -> Self {
+        // SAFETY: every bit pattern, all zeros included, is a valid value
+        // of a PlainData type (the trait's contract).
+        unsafe { std::mem::zeroed() }
+    }
+}
+
+macro_rules! plain_data {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        // SAFETY: integers, IEEE floats and the repr(C) ABI records (all
+        // fields u32/u64, padding explicit) accept any bit pattern.
+        unsafe impl PlainData for $t {}
+    )*};
+}
+plain_data!(
+    u8,
+    u16,
+    u32,
+    u64,
+    f32,
+    half::f16,
+    half::bf16,
+    crate::abi::RankTable,
+    crate::abi::ErrorRecord,
+    crate::abi::Signal
+);
+
 /// Device memory from plain `cuMemAlloc` (so it can be exported as a CUDA
 /// IPC handle), zeroed at creation, freed on drop.
 pub struct DeviceAlloc {
@@ -105,7 +147,7 @@ impl DeviceAlloc {
         Ok(a)
     }
     /// A new allocation holding exactly `value` (a table, a record).
-    pub fn from_value<T: Copy>(ctx: &Arc<CudaContext>, value: &T) -> Result<Self> {
+    pub fn from_value<T: PlainData>(ctx: &Arc<CudaContext>, value: &T) -> Result<Self> {
         let a = Self::zeroed(ctx, std::mem::size_of::<T>())?;
         a.write(std::slice::from_ref(value))?;
         Ok(a)
@@ -117,24 +159,23 @@ impl DeviceAlloc {
         self.bytes
     }
     /// Copies `src` into the start of the allocation (synchronous).
-    pub fn write<T: Copy>(&self, src: &[T]) -> Result<()> {
+    pub fn write<T: PlainData>(&self, src: &[T]) -> Result<()> {
         assert!(
             std::mem::size_of_val(src) <= self.bytes.max(256),
             "write past the end of a DeviceAlloc"
         );
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        // SAFETY: bounds checked above; T is plain data (Copy, repr(C) ABI structs).
+        // SAFETY: bounds checked above; T is plain data (PlainData).
         unsafe { result::memcpy_htod_sync(self.ptr, src) }.during("cuMemcpyHtoD")
     }
     /// Reads the start of the allocation into `dst` (synchronous).
-    pub fn read<T: Copy>(&self, dst: &mut [T]) -> Result<()> {
+    pub fn read<T: PlainData>(&self, dst: &mut [T]) -> Result<()> {
         assert!(
             std::mem::size_of_val(dst) <= self.bytes.max(256),
             "read past the end of a DeviceAlloc"
         );
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        // SAFETY: bounds checked above; every bit pattern is valid for the
-        // plain-data types read here (u32 words, repr(C) records of u32).
+        // SAFETY: bounds checked above; every bit pattern is a valid T (PlainData).
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr) }.during("cuMemcpyDtoH")
     }
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -463,4 +504,51 @@ pub fn device_by_pci_bus_id(bus_id: &str) -> Option<sys::CUdevice> {
     // SAFETY: `c` is NUL-terminated; `dev` is a valid out-pointer.
     let r = unsafe { sys::cuDeviceGetByPCIBusId(&mut dev, c.as_ptr()) };
     (r == sys::CUresult::CUDA_SUCCESS).then_some(dev)
+}
+
+/// Whether `a`'s device can access `b`'s memory as a peer
+/// (`cuDeviceCanAccessPeer`).
+pub fn can_access_peer(a: sys::CUdevice, b: sys::CUdevice) -> Result<bool> {
+    let mut can = 0i32;
+    // SAFETY: plain query with device handles from the driver and a valid out-pointer.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) }
+        .result()
+        .during("cuDeviceCanAccessPeer")?;
+    Ok(can != 0)
+}
+
+/// Whether `a` and `b` support native atomics over their P2P link
+/// (`CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED`).
+pub fn p2p_native_atomics(a: sys::CUdevice, b: sys::CUdevice) -> Result<bool> {
+    let mut v = 0i32;
+    // SAFETY: plain query with device handles from the driver and a valid out-pointer.
+    unsafe {
+        sys::cuDeviceGetP2PAttribute(
+            &mut v,
+            sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+            a,
+            b,
+        )
+    }
+    .result()
+    .during("cuDeviceGetP2PAttribute")?;
+    Ok(v != 0)
+}
+
+/// Whether `stream` is capturing a CUDA graph.
+pub fn is_capturing(stream: &CudaStream) -> Result<bool> {
+    let st = stream.capture_status().during("cuStreamGetCaptureInfo")?;
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// Makes future work on `next` wait for the work already on `prev` (an
+/// event recorded on `prev`, waited for on `next`). Both must belong to one
+/// context. Refused while either stream captures a graph, where such a
+/// dependency cannot be expressed.
+pub fn order_after(prev: &Arc<CudaStream>, next: &Arc<CudaStream>) -> Result<()> {
+    if is_capturing(prev)? || is_capturing(next)? {
+        return Err(Error::StreamSwitchInCapture);
+    }
+    let ev = prev.record_event(None).during("cuEventRecord")?;
+    next.wait(&ev).during("cuStreamWaitEvent")
 }

@@ -137,6 +137,13 @@ pub enum Error {
     },
 
     #[error(
+        "this group's previous call ran on another stream and one of the two streams is capturing a CUDA \
+         graph, where the group cannot order the calls: use one stream per rank for a group (the capture \
+         stream), or call check() on the previous stream before switching"
+    )]
+    StreamSwitchInCapture,
+
+    #[error(
         "ranks {a} and {b} were given the same stream: each rank needs its own stream (ranks that share a \
          GPU run concurrently and wait for each other at barriers)"
     )]

@@ -34,23 +34,36 @@ pub use p2p_allreduce_device as device;
 pub use p2p_allreduce_device::abi;
 pub use p2p_allreduce_device::abi::{Algorithm, Dtype};
 
+/// The cudarc this crate is built against (its types are in every
+/// signature): use it instead of guessing the matching version.
+pub use cudarc;
+
+mod collective;
 pub mod driver;
+pub mod element;
 pub mod error;
 pub mod exchange;
-pub mod group;
 pub mod ipc;
+mod launch;
 pub mod measure;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod peer_group;
 pub mod plan;
+pub mod process_group;
 pub mod ptx;
 pub mod ptxas;
 pub mod reference;
+pub mod registered;
 pub mod topology;
 pub mod validate;
+pub mod virtual_group;
 
+pub use element::{DeviceElement, RoutedElement};
 pub use error::{Error, Result};
 pub use exchange::{DirExchange, Exchange, InProcessExchange};
-pub use group::{DeviceElement, PeerGroup, RegisteredBuffers, Route, RoutedElement, VirtualGroup};
-pub use ipc::ProcessGroup;
+pub use peer_group::{PeerGroup, Route};
 pub use plan::{AlgoChoice, Config, Link, Thresholds};
+pub use process_group::ProcessGroup;
+pub use registered::RegisteredBuffers;
+pub use virtual_group::VirtualGroup;

@@ -3,9 +3,10 @@
 //! median over replays. Used by `benches/allreduce.rs` and `p2p-allreduce bench`.
 
 use crate::abi::Algorithm;
+use crate::element::DeviceElement;
 use crate::error::{Context as _, Result};
-use crate::group::{DeviceElement, VirtualGroup};
 use crate::plan::AlgoChoice;
+use crate::VirtualGroup;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use std::sync::Arc;
 

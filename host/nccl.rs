@@ -20,9 +20,9 @@
 //! NCCL are needed.
 
 use crate::abi::Dtype;
+use crate::element::DeviceElement;
 use crate::error::{Error, Result};
-use crate::group::DeviceElement;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -336,12 +336,17 @@ impl NcclGroup {
     }
 
     /// Sum-allreduce of `inputs[r]` into `outputs[r]` on `streams[r]`.
-    pub fn allreduce<T: DeviceElement>(
+    pub fn allreduce<T, I, O>(
         &self,
         streams: &[Arc<CudaStream>],
-        inputs: &[&CudaSlice<T>],
-        outputs: &mut [CudaSlice<T>],
-    ) -> Result<()> {
+        inputs: &[&I],
+        outputs: &mut [O],
+    ) -> Result<()>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
         let w = self.world();
         for (what, got) in [
             ("streams", streams.len()),

@@ -6,7 +6,8 @@
 //! Native peer atomics are an NVLink property (PCIe P2P lacks them), so a
 //! pair with them is taken as NVLink and one without as PCIe.
 
-use crate::error::{Context as _, Result};
+use crate::driver;
+use crate::error::Result;
 use crate::plan::Link;
 use cudarc::driver::{sys, CudaContext};
 use std::sync::Arc;
@@ -23,27 +24,10 @@ pub fn link_between_devices(a: sys::CUdevice, b: sys::CUdevice) -> Result<Option
     if a == b {
         return Ok(Some(Link::SameDevice));
     }
-    let mut can = 0i32;
-    // SAFETY: plain query with device handles from the driver and a valid out-pointer.
-    unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) }
-        .result()
-        .during("cuDeviceCanAccessPeer")?;
-    if can == 0 {
+    if !driver::can_access_peer(a, b)? {
         return Ok(None);
     }
-    let mut atomics = 0i32;
-    // SAFETY: as above.
-    unsafe {
-        sys::cuDeviceGetP2PAttribute(
-            &mut atomics,
-            sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-            a,
-            b,
-        )
-    }
-    .result()
-    .during("cuDeviceGetP2PAttribute")?;
-    Ok(Some(if atomics != 0 {
+    Ok(Some(if driver::p2p_native_atomics(a, b)? {
         Link::NvLink
     } else {
         Link::Pcie
@@ -68,14 +52,6 @@ pub fn link_name(link: Option<Link>) -> &'static str {
         Some(Link::Pcie) => "PCIe",
         None => "none",
     }
-}
-
-/// The link of every ordered pair of `contexts` (`[a][b]`: can `a` read `b`).
-pub fn link_matrix(contexts: &[Arc<CudaContext>]) -> Result<Vec<Vec<Option<Link>>>> {
-    contexts
-        .iter()
-        .map(|a| contexts.iter().map(|b| link_between(a, b)).collect())
-        .collect()
 }
 
 #[cfg(test)]

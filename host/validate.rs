@@ -10,12 +10,13 @@
 //! returned as `Err`; wrong bits are an `Ok` [`Outcome`] with `wrong > 0`.
 
 use crate::abi::{Algorithm, Dtype};
+use crate::element::DeviceElement;
 use crate::error::{Context as _, Error, Result};
 use crate::exchange::Exchange;
-use crate::group::{DeviceElement, PeerGroup, VirtualGroup};
-use crate::ipc::ProcessGroup;
 use crate::plan::AlgoChoice;
 use crate::reference::{self, values};
+use crate::ProcessGroup;
+use crate::{PeerGroup, VirtualGroup};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::fmt;
 use std::sync::Arc;

@@ -1,0 +1,528 @@
+//! The collective core under [`crate::VirtualGroup`], [`crate::PeerGroup`]
+//! and [`crate::ProcessGroup`]: the group's buffers and signals, its health,
+//! the chunk loop of {plan, stage, launch}, `check` and `reset`. The groups
+//! are front ends that turn their call shapes (all ranks at once, or one
+//! rank per process) into the pointer arrays this core takes.
+//!
+//! A group launches through one or more *members*: a member is one kernel
+//! launch per step on one stream — all ranks at once (virtual ranks) or one
+//! real rank. Invariants:
+//! - every member computes the same [`Plan`] from the same request, so all
+//!   ranks run the same steps with the same grids (the barriers need it);
+//! - a member's calls are ordered on the device even when they come on
+//!   different streams (see [`Member::order`]): two calls on one group
+//!   share its staging buffers and flags, so they must never overlap;
+//! - after a kernel error (a peer timeout) the group is poisoned until
+//!   `reset`: its ranks are out of step and a new collective would hang or
+//!   mix epochs.
+
+use crate::abi::{
+    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, BUFFER_ALIGN, MAX_RANKS,
+};
+use crate::driver::{self, DeviceAlloc, Kernels, PlainData as _};
+use crate::error::{Context as _, Error, Result};
+use crate::launch::{launch_step, Ranks, Target};
+use crate::plan::{AlgoChoice, Config, Inputs, Link, Plan, Request};
+use cudarc::driver::{CudaContext, CudaStream};
+use std::sync::{Arc, Mutex};
+
+/// A process-unique id per group: registered buffers carry the id of the
+/// group whose scratch and signals their tables name.
+pub(crate) fn next_group_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+pub(crate) fn check_world(world: usize) -> Result<()> {
+    if world == 0 || world > MAX_RANKS {
+        return Err(Error::WorldSize(world));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_count(what: &'static str, got: usize, world: usize) -> Result<()> {
+    if got != world {
+        return Err(Error::RankCount { what, got, world });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_aligned(what: &'static str, rank: usize, ptr: u64) -> Result<()> {
+    if ptr % BUFFER_ALIGN as u64 != 0 {
+        return Err(Error::Misaligned {
+            what,
+            rank,
+            ptr,
+            align: BUFFER_ALIGN,
+        });
+    }
+    Ok(())
+}
+
+/// One rank's group-owned memory: staging (inputs are copied here), scratch
+/// (two-stage partial sums) and the signal (flags, epochs, error record).
+pub(crate) struct RankBuffers {
+    pub(crate) staging: DeviceAlloc,
+    pub(crate) scratch: DeviceAlloc,
+    pub(crate) signal: DeviceAlloc,
+}
+
+impl RankBuffers {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        Ok(RankBuffers {
+            staging: DeviceAlloc::zeroed(ctx, bytes)?,
+            scratch: DeviceAlloc::zeroed(ctx, bytes)?,
+            signal: DeviceAlloc::zeroed(ctx, std::mem::size_of::<Signal>())?,
+        })
+    }
+}
+
+/// Whether the group may run: poisoned by a kernel error until `reset`.
+struct Health(Mutex<Option<String>>);
+
+impl Health {
+    fn ensure_ok(&self) -> Result<()> {
+        match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(Error::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+    fn poison(&self, e: &Error) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+    }
+    fn clear(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+/// Reads a rank's error record (through the ABI struct) and turns it into
+/// an error. A code or barrier the kernels never write means the signal
+/// memory is corrupted: reported as such, not guessed.
+fn read_error_record(rank: usize, signal: &DeviceAlloc) -> Result<()> {
+    let mut sig = [Signal::zeroed()];
+    signal.read(&mut sig)?;
+    let rec: ErrorRecord = sig[0].error;
+    let corrupted = || Error::UnknownKernelError {
+        rank,
+        code: rec.code,
+    };
+    match rec.code {
+        error_code::NONE => Ok(()),
+        error_code::PEER_TIMEOUT => Err(Error::PeerTimeout {
+            rank: rec.rank as usize,
+            block: rec.block,
+            peer: rec.peer,
+            barrier: BarrierKind::from_u32(rec.barrier).ok_or_else(corrupted)?,
+            epoch: rec.epoch,
+        }),
+        error_code::BAD_LAUNCH => Err(Error::BadLaunch {
+            rank: rec.rank as usize,
+            block: rec.block,
+        }),
+        error_code::UNREGISTERED => Err(Error::Unregistered {
+            rank: rec.rank as usize,
+        }),
+        _ => Err(corrupted()),
+    }
+}
+
+/// Copies elements `[offset, offset + len)` of `src` to the start of a
+/// staging buffer, ordered on `stream`.
+///
+/// # Safety
+/// `src` must hold `offset + len` elements of `size` bytes and `staging` at
+/// least `len`, until the copy has run.
+unsafe fn stage(
+    staging: u64,
+    src: u64,
+    offset: usize,
+    len: usize,
+    size: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe { driver::copy_dtod_async(stream, staging, src + (offset * size) as u64, len * size) }
+}
+
+/// One launching unit of a group (see the module docs).
+pub(crate) struct Member {
+    pub(crate) kernels: Arc<Kernels>,
+    pub(crate) ranks: Ranks,
+    /// Staging buffer of every rank this member fills, by rank.
+    pub(crate) staging: [u64; MAX_RANKS],
+    /// The pointer table of staged launches, on this member's device.
+    pub(crate) staged_table: DeviceAlloc,
+    /// The stream of this member's last call (see [`Member::order`]).
+    last: Mutex<Option<Arc<CudaStream>>>,
+}
+
+impl Member {
+    pub(crate) fn new(
+        kernels: Arc<Kernels>,
+        ranks: Ranks,
+        staging: [u64; MAX_RANKS],
+        staged_table: DeviceAlloc,
+    ) -> Self {
+        Member {
+            kernels,
+            ranks,
+            staging,
+            staged_table,
+            last: Mutex::new(None),
+        }
+    }
+
+    fn context(&self) -> &Arc<CudaContext> {
+        self.kernels.context()
+    }
+
+    fn owns(&self, world: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..world).filter(move |&r| match self.ranks {
+            Ranks::All => true,
+            Ranks::One(o) => o == r,
+        })
+    }
+
+    /// Orders this call after the member's previous one when it comes on
+    /// another stream: the calls share buffers and flags, so they must not
+    /// overlap on the device. Refused (`StreamSwitchInCapture`) while either
+    /// stream captures a graph.
+    fn order(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(prev) = last.as_ref() {
+            if prev.cu_stream() != stream.cu_stream() {
+                driver::order_after(prev, stream)?;
+            }
+        }
+        *last = Some(stream.clone());
+        Ok(())
+    }
+}
+
+/// The shared core of every group kind.
+pub(crate) struct Collective {
+    pub(crate) world: usize,
+    pub(crate) config: Config,
+    pub(crate) link: Link,
+    /// Every rank's signal, as seen from this process's devices.
+    pub(crate) signals: [u64; MAX_RANKS],
+    pub(crate) members: Vec<Member>,
+    /// The buffers this process owns, with their ranks (all ranks in one
+    /// process; this process's rank for a ProcessGroup).
+    pub(crate) own: Vec<(usize, RankBuffers)>,
+    health: Health,
+    pub(crate) id: u64,
+}
+
+impl Collective {
+    pub(crate) fn new(
+        world: usize,
+        config: Config,
+        link: Link,
+        signals: [u64; MAX_RANKS],
+        members: Vec<Member>,
+        own: Vec<(usize, RankBuffers)>,
+    ) -> Self {
+        Collective {
+            world,
+            config,
+            link,
+            signals,
+            members,
+            own,
+            health: Health(Mutex::new(None)),
+            id: next_group_id(),
+        }
+    }
+
+    pub(crate) fn ensure_ok(&self) -> Result<()> {
+        self.health.ensure_ok()
+    }
+
+    /// Checks one stream per member (on the member's device, no stream
+    /// twice) and orders the call after the member's previous one.
+    pub(crate) fn begin(&self, streams: &[&Arc<CudaStream>]) -> Result<()> {
+        self.health.ensure_ok()?;
+        check_count("streams", streams.len(), self.members.len())?;
+        for (m, (s, member)) in streams.iter().zip(&self.members).enumerate() {
+            let rank = match member.ranks {
+                Ranks::One(r) => r,
+                Ranks::All => m,
+            };
+            if s.context().cu_ctx() != member.context().cu_ctx() {
+                return Err(Error::StreamDevice {
+                    rank,
+                    stream_device: s.context().ordinal(),
+                    rank_device: member.context().ordinal(),
+                });
+            }
+            if let Some(a) = streams[..m]
+                .iter()
+                .position(|p| p.cu_stream() == s.cu_stream())
+            {
+                return Err(Error::SharedStream { a, b: rank });
+            }
+        }
+        for (s, member) in streams.iter().zip(&self.members) {
+            member.order(s)?;
+        }
+        Ok(())
+    }
+
+    fn request(&self, dtype: Dtype, count: usize, inputs: Inputs, choice: AlgoChoice) -> Request {
+        Request {
+            dtype,
+            count,
+            world: self.world,
+            link: self.link,
+            virtual_ranks: self.members.first().is_some_and(|m| m.ranks == Ranks::All),
+            inputs,
+            choice,
+        }
+    }
+
+    /// Staged allreduce: for each step of the plan, every member copies its
+    /// ranks' chunk into their staging buffers and launches.
+    ///
+    /// # Safety
+    /// For every rank r launched from this process, `inputs[r]` must be
+    /// valid for reads and `outputs[r]` for writes of `count` elements of
+    /// `dtype` on that rank's device until the work on its stream completes.
+    pub(crate) unsafe fn staged(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        dtype: Dtype,
+        count: usize,
+        inputs: &[u64; MAX_RANKS],
+        outputs: &[u64; MAX_RANKS],
+        choice: AlgoChoice,
+    ) -> Result<Algorithm> {
+        let plan = Plan::new(
+            &self.config,
+            self.request(dtype, count, Inputs::Staged, choice),
+        )?;
+        self.check_outputs(outputs)?;
+        self.begin(streams)?;
+        let size = dtype.size();
+        for step in plan.steps() {
+            for (member, stream) in self.members.iter().zip(streams) {
+                for r in member.owns(self.world) {
+                    // SAFETY: inputs[r] holds `count` elements (caller);
+                    // staging holds max_bytes >= step.len * size (plan).
+                    unsafe {
+                        stage(
+                            member.staging[r],
+                            inputs[r],
+                            step.offset,
+                            step.len,
+                            size,
+                            stream,
+                        )?
+                    };
+                }
+                let target = Target {
+                    table: member.staged_table.ptr(),
+                    signals: &self.signals,
+                    outputs,
+                    absent: 0,
+                };
+                // SAFETY: the staged table names this group's live staging
+                // and scratch buffers; outputs are the caller's contract.
+                unsafe {
+                    launch_step(
+                        &member.kernels,
+                        stream,
+                        &self.config,
+                        self.world,
+                        &step,
+                        member.ranks,
+                        &target,
+                    )?
+                };
+            }
+        }
+        Ok(plan.algorithm)
+    }
+
+    /// Zero-copy allreduce: every member launches once with its own pointer
+    /// table (`tables[m]`), whose inputs the peers read directly.
+    ///
+    /// # Safety
+    /// Every table must name inputs holding `count` elements and this
+    /// group's scratch; `outputs[r]` as for [`Collective::staged`].
+    pub(crate) unsafe fn zero_copy(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        dtype: Dtype,
+        count: usize,
+        tables: &[u64],
+        outputs: &[u64; MAX_RANKS],
+        choice: AlgoChoice,
+    ) -> Result<Algorithm> {
+        let plan = Plan::new(
+            &self.config,
+            self.request(dtype, count, Inputs::ZeroCopy, choice),
+        )?;
+        self.check_outputs(outputs)?;
+        check_count("pointer tables", tables.len(), self.members.len())?;
+        self.begin(streams)?;
+        for step in plan.steps() {
+            for ((member, stream), &table) in self.members.iter().zip(streams).zip(tables) {
+                let target = Target {
+                    table,
+                    signals: &self.signals,
+                    outputs,
+                    absent: 0,
+                };
+                // SAFETY: forwarded from the caller.
+                unsafe {
+                    launch_step(
+                        &member.kernels,
+                        stream,
+                        &self.config,
+                        self.world,
+                        &step,
+                        member.ranks,
+                        &target,
+                    )?
+                };
+            }
+        }
+        Ok(plan.algorithm)
+    }
+
+    fn check_outputs(&self, outputs: &[u64; MAX_RANKS]) -> Result<()> {
+        for member in &self.members {
+            for r in member.owns(self.world) {
+                check_aligned("output", r, outputs[r])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fault injection: a one-stage f32 collective of `count` elements over
+    /// the staging buffers in which the ranks in `absent` (a bit mask) leave
+    /// at once, as dead peers would; results go to each rank's scratch. The
+    /// present ranks record a peer timeout, which [`Collective::check`]
+    /// reports.
+    pub(crate) fn launch_with_absent_ranks(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        absent: u32,
+        count: usize,
+    ) -> Result<()> {
+        let count = count.min(self.config.max_bytes / 4);
+        let plan = Plan::new(
+            &self.config,
+            self.request(Dtype::F32, count, Inputs::Staged, AlgoChoice::OneStage),
+        )?;
+        let mut outputs = [0u64; MAX_RANKS];
+        for (r, b) in &self.own {
+            outputs[*r] = b.scratch.ptr();
+        }
+        self.begin(streams)?;
+        for step in plan.steps() {
+            for (member, stream) in self.members.iter().zip(streams) {
+                let target = Target {
+                    table: member.staged_table.ptr(),
+                    signals: &self.signals,
+                    outputs: &outputs,
+                    absent,
+                };
+                // SAFETY: staging and scratch hold max_bytes >= count * 4.
+                unsafe {
+                    launch_step(
+                        &member.kernels,
+                        stream,
+                        &self.config,
+                        self.world,
+                        &step,
+                        member.ranks,
+                        &target,
+                    )?
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every member's stream, then reports the first error a
+    /// kernel of this process recorded; the group is poisoned by it.
+    pub(crate) fn check(&self, streams: &[&Arc<CudaStream>]) -> Result<()> {
+        check_count("streams", streams.len(), self.members.len())?;
+        for (s, member) in streams.iter().zip(&self.members) {
+            s.synchronize().during("cuStreamSynchronize")?;
+            // Everything of this member on that stream has run.
+            let mut last = member.last.lock().unwrap_or_else(|p| p.into_inner());
+            if last
+                .as_ref()
+                .is_some_and(|l| l.cu_stream() == s.cu_stream())
+            {
+                *last = None;
+            }
+        }
+        for (rank, b) in &self.own {
+            read_error_record(*rank, &b.signal).inspect_err(|e| self.health.poison(e))?;
+        }
+        Ok(())
+    }
+
+    /// Brings this process's ranks back to a clean state: waits for their
+    /// devices, zeroes their signals (epochs and error records). Every rank
+    /// of the group must reset before the next collective.
+    pub(crate) fn reset(&self) -> Result<()> {
+        for m in &self.members {
+            m.context().synchronize().during("cuCtxSynchronize")?;
+            *m.last.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        for (_, b) in &self.own {
+            b.signal.write(&[Signal::zeroed()])?;
+        }
+        self.health.clear();
+        Ok(())
+    }
+}
+
+/// The element count of a call from every rank's input and output length:
+/// inputs must agree (`RankMismatch`), outputs must hold the count
+/// (`BufferTooSmall`).
+pub(crate) fn count_of(
+    dtype: Dtype,
+    inputs: impl Iterator<Item = usize>,
+    outputs: impl Iterator<Item = usize>,
+) -> Result<usize> {
+    let mut count = None;
+    for (r, len) in inputs.enumerate() {
+        let c0 = *count.get_or_insert(len);
+        if len != c0 {
+            return Err(Error::RankMismatch {
+                rank: r,
+                dtype,
+                count: len,
+                dtype0: dtype,
+                count0: c0,
+            });
+        }
+    }
+    let count = count.unwrap_or(0);
+    for (r, len) in outputs.enumerate() {
+        if len < count {
+            return Err(Error::BufferTooSmall {
+                what: "output",
+                rank: r,
+                len,
+                need: count,
+            });
+        }
+    }
+    Ok(count)
+}
+
+/// Pointer array by rank from a list (the rest zero).
+pub(crate) fn by_rank(ptrs: impl Iterator<Item = u64>) -> [u64; MAX_RANKS] {
+    let mut a = [0u64; MAX_RANKS];
+    for (slot, p) in a.iter_mut().zip(ptrs) {
+        *slot = p;
+    }
+    a
+}

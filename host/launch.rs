@@ -1,0 +1,85 @@
+//! A plan step becomes one kernel launch: the [`LaunchArgs`] the kernels
+//! take by value, the grid, and the co-residency rule. The only place that
+//! builds `LaunchArgs`.
+
+use crate::abi::{LaunchArgs, MAX_RANKS};
+use crate::driver::Kernels;
+use crate::error::{Error, Result};
+use crate::plan::{Config, Step};
+use cudarc::driver::CudaStream;
+
+/// Who one launch runs for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ranks {
+    /// Every rank of the group, one per `blockIdx.y` (virtual ranks).
+    All,
+    /// One real rank.
+    One(usize),
+}
+
+/// Where one launch reads and writes: the device pointer table (inputs
+/// and scratch of every rank, as seen from the launching device), the
+/// signal of every rank, and the outputs of the ranks it runs for at the
+/// start of the message (the step's offset is applied here).
+pub(crate) struct Target<'a> {
+    pub table: u64,
+    pub signals: &'a [u64; MAX_RANKS],
+    pub outputs: &'a [u64; MAX_RANKS],
+    /// Ranks that leave at once (fault injection; 0 normally).
+    pub absent: u32,
+}
+
+/// Launches `step` on `stream` for `ranks` of a `world`-rank group.
+///
+/// The blocks of a launch must all be resident at once (a block waits at
+/// barriers for the same block of its peers; for virtual ranks those peers
+/// are blocks of this very launch): a grid that cannot be is refused with
+/// `NotCoResident` instead of hanging.
+///
+/// # Safety
+/// The table and signals must point at live buffers of the group; every
+/// input in the table must hold `step.offset + step.len` elements (staged:
+/// `step.len` from the start) and scratch enough for the step; the outputs
+/// must be valid for `step.offset + step.len` elements; all until the
+/// launch has run.
+pub(crate) unsafe fn launch_step(
+    kernels: &Kernels,
+    stream: &CudaStream,
+    config: &Config,
+    world: usize,
+    step: &Step,
+    ranks: Ranks,
+    target: &Target<'_>,
+) -> Result<()> {
+    let threads = config.threads_per_block;
+    let capacity = kernels.co_resident_blocks(step.entry, threads)?;
+    let (grid_y, rank) = match ranks {
+        Ranks::All => (world as u32, 0),
+        Ranks::One(r) => (1, r as u32),
+    };
+    let total = step.blocks * grid_y;
+    if total > capacity {
+        return Err(Error::NotCoResident {
+            blocks: total,
+            threads,
+            capacity,
+        });
+    }
+    let size = step.entry.dtype.size() as u64;
+    let mut args = LaunchArgs {
+        table: target.table,
+        signals: *target.signals,
+        count: step.len as u64,
+        timeout_ns: config.timeout_ns(),
+        rank,
+        absent_ranks: target.absent,
+        ..Default::default()
+    };
+    for r in 0..world {
+        if ranks == Ranks::All || ranks == Ranks::One(r) {
+            args.outputs[r] = target.outputs[r] + step.offset as u64 * size;
+        }
+    }
+    // SAFETY: forwarded from the caller; the entry and grid come from the plan.
+    unsafe { kernels.launch(stream, step.entry, (step.blocks, grid_y), threads, &args) }
+}

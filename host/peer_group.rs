@@ -1,0 +1,360 @@
+//! [`PeerGroup`]: one rank per context in one process — several GPUs with
+//! peer access, or several ranks sharing a GPU — one launch per rank on
+//! that rank's stream.
+
+use crate::abi::{Algorithm, Dtype};
+use crate::collective::{
+    by_rank, check_count, check_world, count_of, Collective, Member, RankBuffers,
+};
+use crate::driver::{self, DeviceAlloc, Kernels};
+use crate::element::{DeviceElement, RoutedElement};
+use crate::error::{Error, Result};
+use crate::launch::Ranks;
+use crate::plan::{AlgoChoice, Config, Link};
+use crate::registered::RegisteredBuffers;
+use crate::topology;
+use crate::virtual_group::table_of;
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// Which path a routed allreduce took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Kernel(Algorithm),
+    Nccl,
+}
+
+/// One rank per context in one process: several GPUs with peer access, or
+/// several ranks sharing a GPU (each launch on its own stream).
+///
+/// Every call takes one stream per rank (`streams[r]` on rank r's device,
+/// no stream twice) and enqueues rank r's work on it; nothing waits on the
+/// host except [`PeerGroup::check`]. Kernel errors (a peer timeout) are
+/// reported by `check`; until then later calls return `Ok`.
+///
+/// CUDA graphs: capture every rank's stream, call the allreduce, end every
+/// capture, and launch each rank's graph on its stream. Capture the streams
+/// in `CU_STREAM_CAPTURE_MODE_RELAXED` (ending one capture instantiates its
+/// graph, which thread-local mode refuses while the other streams still
+/// capture), and disable cudarc's event tracking on the contexts
+/// (`CudaContext::disable_event_tracking`), whose events cannot be recorded
+/// during capture.
+pub struct PeerGroup {
+    core: Collective,
+    #[cfg(feature = "nccl")]
+    nccl: Option<crate::nccl::NcclGroup>,
+}
+
+impl std::fmt::Debug for PeerGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let devices: Vec<usize> = self
+            .core
+            .members
+            .iter()
+            .map(|m| m.kernels.context().ordinal())
+            .collect();
+        f.debug_struct("PeerGroup")
+            .field("world", &self.core.world)
+            .field("devices", &devices)
+            .field("link", &self.core.link)
+            .field("config", &self.core.config)
+            .field("id", &self.core.id)
+            .finish()
+    }
+}
+
+impl PeerGroup {
+    /// `contexts[r]` is rank r's device. Peer access is enabled between every
+    /// pair of distinct devices; a pair without a P2P path is an error.
+    pub fn new(contexts: &[Arc<CudaContext>], config: Config) -> Result<Self> {
+        let world = contexts.len();
+        check_world(world)?;
+        config.validate().map_err(Error::Config)?;
+        let mut link = Link::SameDevice;
+        for ca in contexts {
+            for cb in contexts {
+                if ca.cu_device() == cb.cu_device() {
+                    continue;
+                }
+                let l = topology::link_between(ca, cb)?.ok_or(Error::NoPeerAccess {
+                    a: ca.ordinal(),
+                    b: cb.ordinal(),
+                })?;
+                link = topology::slowest(link, l);
+                driver::enable_peer_access(ca, cb)?;
+            }
+        }
+        let mut kernels = Vec::with_capacity(world);
+        let mut own = Vec::with_capacity(world);
+        for (r, ctx) in contexts.iter().enumerate() {
+            let k = Kernels::for_context(ctx)?;
+            k.prepare(world, false, config.threads_per_block)?;
+            kernels.push(k);
+            own.push((r, RankBuffers::new(ctx, config.max_bytes)?));
+        }
+        let staging = by_rank(own.iter().map(|(_, b)| b.staging.ptr()));
+        let signals = by_rank(own.iter().map(|(_, b)| b.signal.ptr()));
+        let t = table_of(|r| staging[r], &own);
+        let members = kernels
+            .into_iter()
+            .zip(contexts)
+            .enumerate()
+            .map(|(r, (k, ctx))| {
+                Ok(Member::new(
+                    k,
+                    Ranks::One(r),
+                    staging,
+                    DeviceAlloc::from_value(ctx, &t)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PeerGroup {
+            core: Collective::new(world, config, link, signals, members, own),
+            #[cfg(feature = "nccl")]
+            nccl: None,
+        })
+    }
+
+    pub fn world(&self) -> usize {
+        self.core.world
+    }
+    /// The slowest link between two of the group's devices.
+    pub fn link(&self) -> Link {
+        self.core.link
+    }
+    pub fn config(&self) -> &Config {
+        &self.core.config
+    }
+
+    /// Creates NCCL communicators over `streams` (one per rank, distinct
+    /// GPUs), so that [`PeerGroup::allreduce_routed`] can hand messages
+    /// above `Config::nccl_above` to NCCL.
+    #[cfg(feature = "nccl")]
+    pub fn enable_nccl(&mut self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        check_count("streams", streams.len(), self.world())?;
+        self.nccl = Some(crate::nccl::NcclGroup::new(streams)?);
+        Ok(())
+    }
+
+    /// [`PeerGroup::allreduce`], except that under `AlgoChoice::Auto` a
+    /// message larger than `Config::nccl_above` goes to NCCL when it was
+    /// enabled. Without the `nccl` feature this is `allreduce`.
+    pub fn allreduce_routed<T, I, O>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        inputs: &[&I],
+        outputs: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Route>
+    where
+        T: RoutedElement,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        #[cfg(feature = "nccl")]
+        if let (Some(n), Some(above), AlgoChoice::Auto) =
+            (&self.nccl, self.core.config.nccl_above, algo)
+        {
+            let bytes = inputs.first().map_or(0, |i| i.len() * T::DTYPE.size());
+            if bytes > above {
+                self.core.ensure_ok()?;
+                n.allreduce(streams, inputs, outputs)?;
+                return Ok(Route::Nccl);
+            }
+        }
+        self.allreduce(streams, inputs, outputs, algo)
+            .map(Route::Kernel)
+    }
+
+    /// Staged allreduce: rank r copies `inputs[r]` (a slice or view on its
+    /// device) into its staging buffer and launches on `streams[r]`, writing
+    /// `outputs[r]`. Returns the algorithm of the whole call; messages
+    /// above `Config::max_bytes` run in chunks.
+    pub fn allreduce<T, I, O>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        inputs: &[&I],
+        outputs: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        check_count("streams", streams.len(), self.world())?;
+        check_count("inputs", inputs.len(), self.world())?;
+        check_count("outputs", outputs.len(), self.world())?;
+        let count = count_of(
+            T::DTYPE,
+            inputs.iter().map(|i| i.len()),
+            outputs.iter().map(|o| o.len()),
+        )?;
+        let ins: Vec<_> = inputs
+            .iter()
+            .zip(streams)
+            .map(|(i, s)| i.device_ptr(s))
+            .collect();
+        let outs: Vec<_> = outputs
+            .iter_mut()
+            .zip(streams)
+            .map(|(o, s)| o.device_ptr_mut(s))
+            .collect();
+        let i: Vec<u64> = ins.iter().map(|p| p.0).collect();
+        let o: Vec<u64> = outs.iter().map(|p| p.0).collect();
+        // SAFETY: every pointer comes from a live slice or view of at least
+        // `count` elements on its rank's device, guarded until enqueued.
+        unsafe { self.allreduce_raw(streams, T::DTYPE, count, &i, &o, algo) }
+    }
+
+    /// In-place allreduce: every rank's buffer is both input and output.
+    pub fn allreduce_in_place<T, B>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        buffers: &mut [B],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        B: DevicePtrMut<T>,
+    {
+        check_count("streams", streams.len(), self.world())?;
+        check_count("buffers", buffers.len(), self.world())?;
+        let count = count_of(
+            T::DTYPE,
+            buffers.iter().map(|b| b.len()),
+            std::iter::empty(),
+        )?;
+        let bufs: Vec<_> = buffers
+            .iter_mut()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr_mut(s))
+            .collect();
+        let p: Vec<u64> = bufs.iter().map(|p| p.0).collect();
+        // SAFETY: live buffers of `count` elements; inputs are staged.
+        unsafe { self.allreduce_raw(streams, T::DTYPE, count, &p, &p, algo) }
+    }
+
+    /// [`PeerGroup::allreduce`] on raw device pointers: `inputs[r]` and
+    /// `outputs[r]` on rank r's device. Inputs are staged, so
+    /// `outputs[r] == inputs[r]` (in place) is allowed.
+    ///
+    /// # Safety
+    /// `inputs[r]` must be valid for reads and `outputs[r]` for writes of
+    /// `count` elements of `dtype` until the work on `streams[r]` completes.
+    pub unsafe fn allreduce_raw(
+        &self,
+        streams: &[Arc<CudaStream>],
+        dtype: Dtype,
+        count: usize,
+        inputs: &[u64],
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("inputs", inputs.len(), self.world())?;
+        check_count("outputs", outputs.len(), self.world())?;
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        let (i, o) = (
+            by_rank(inputs.iter().copied()),
+            by_rank(outputs.iter().copied()),
+        );
+        // SAFETY: forwarded from the caller.
+        unsafe { self.core.staged(&s, dtype, count, &i, &o, algo) }
+    }
+
+    /// Allocates registered (zero-copy) input buffers of `len` elements per
+    /// rank, each on its rank's device; peers read them directly.
+    pub fn alloc_registered<T: DeviceElement>(&self, len: usize) -> Result<RegisteredBuffers<T>> {
+        let ctxs: Vec<Arc<CudaContext>> = self
+            .core
+            .members
+            .iter()
+            .map(|m| m.kernels.context().clone())
+            .collect();
+        let bufs = ctxs
+            .iter()
+            .map(|c| DeviceAlloc::zeroed(c, len * T::DTYPE.size()))
+            .collect::<Result<Vec<_>>>()?;
+        let t = table_of(|r| bufs[r].ptr(), &self.core.own);
+        let tables = ctxs
+            .iter()
+            .map(|c| DeviceAlloc::from_value(c, &t))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RegisteredBuffers {
+            bufs,
+            tables,
+            len,
+            group: self.core.id,
+            ctxs,
+            _t: PhantomData,
+        })
+    }
+
+    /// Zero-copy allreduce of the first `count` elements of `reg` (written
+    /// by each rank on its own stream beforehand) into `outputs`, with no
+    /// staging copy; works inside CUDA-graph capture (see the type's docs).
+    /// Not chunked: a two-stage larger than the scratch runs one-stage
+    /// under `Auto` (same bits) and is refused when asked for explicitly.
+    pub fn allreduce_registered<T, O>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        O: DevicePtrMut<T>,
+    {
+        self.core.ensure_ok()?;
+        reg.check_owner(self.core.id, count)?;
+        check_count("streams", streams.len(), self.world())?;
+        check_count("outputs", outputs.len(), self.world())?;
+        count_of(
+            T::DTYPE,
+            std::iter::once(count),
+            outputs.iter().map(|o| o.len()),
+        )?;
+        let outs: Vec<_> = outputs
+            .iter_mut()
+            .zip(streams)
+            .map(|(o, s)| o.device_ptr_mut(s))
+            .collect();
+        let o = by_rank(outs.iter().map(|p| p.0));
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: the registered buffers hold >= count elements and their
+        // tables name this group's scratch (owner checked).
+        unsafe {
+            self.core
+                .zero_copy(&s, T::DTYPE, count, &reg.table_ptrs(), &o, algo)
+        }
+    }
+
+    /// Waits for every rank's stream and reports recorded kernel errors.
+    /// After an error the group is poisoned until [`PeerGroup::reset`].
+    pub fn check(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        self.core.check(&s)
+    }
+
+    /// Zeroes every rank's signal after waiting for all devices.
+    pub fn reset(&self) -> Result<()> {
+        self.core.reset()
+    }
+
+    /// Fault injection for your own tests, as
+    /// [`crate::VirtualGroup::launch_with_absent_ranks`]: the ranks in
+    /// `absent_ranks` leave at once; the others record `PeerTimeout`, which
+    /// [`PeerGroup::check`] reports. Does not wait.
+    pub fn launch_with_absent_ranks(
+        &self,
+        streams: &[Arc<CudaStream>],
+        absent_ranks: u32,
+        count: usize,
+    ) -> Result<()> {
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        self.core.launch_with_absent_ranks(&s, absent_ranks, count)
+    }
+}

@@ -1,0 +1,418 @@
+//! [`ProcessGroup`]: one process per rank, buffers shared through CUDA IPC
+//! handles (see [`crate::ipc`]); each rank launches the real-rank kernel
+//! entries on its own stream, like a [`crate::PeerGroup`] rank.
+
+use crate::abi::{Algorithm, Dtype, RankTable, MAX_RANKS};
+use crate::collective::{check_aligned, check_world, count_of, Collective, Member, RankBuffers};
+use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels};
+use crate::element::DeviceElement;
+use crate::error::{Error, Result};
+use crate::exchange::Exchange;
+use crate::ipc::{self, HANDLE};
+use crate::launch::Ranks;
+use crate::plan::{AlgoChoice, Config, Link};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use std::sync::{Arc, Mutex};
+
+/// How many allreduces one `ProcessGroup` can have captured in graphs.
+pub const GRAPH_SLOTS: usize = 4096;
+
+/// This process's rank of a group formed over CUDA IPC.
+///
+/// Calls are ordered on the stream they are given; calls on different
+/// streams are ordered after each other by the group. Kernel errors (a peer
+/// timeout) are reported by [`ProcessGroup::check`]; until then later calls
+/// return `Ok`.
+///
+/// ```no_run
+/// use p2p_allreduce::{driver, AlgoChoice, Config, DirExchange, ProcessGroup};
+/// use std::time::Duration;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let (rank, world) = (0, 2); // e.g. from the launcher's environment
+/// let ctx = driver::open_device(rank)?;
+/// let stream = ctx.new_stream()?;
+/// let ex = DirExchange::new("/tmp/my-job-rendezvous".as_ref(), rank, world, Duration::from_secs(60))?;
+/// let group = ProcessGroup::new(&ctx, &ex, Config::default())?;
+/// let input = stream.clone_htod(&vec![half::bf16::ONE; 4096])?;
+/// let mut output = stream.alloc_zeros::<half::bf16>(4096)?;
+/// group.allreduce(&stream, &input, &mut output, AlgoChoice::Auto)?;
+/// group.check(&stream)?;
+/// # Ok(()) }
+/// ```
+pub struct ProcessGroup {
+    rank: usize,
+    core: Collective,
+    ctx: Arc<CudaContext>,
+    _opened: Vec<IpcMapping>,
+    /// Host copy of the staged table: the scratch pointers of every rank.
+    host_table: RankTable,
+    /// Pointer tables for allreduces captured in CUDA graphs, allocated up
+    /// front (allocation is not allowed during capture) and zeroed: a kernel
+    /// that finds a null input pointer reports `Error::Unregistered`.
+    graph_slots: DeviceAlloc,
+    graph: Mutex<GraphState>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank)
+            .field("world", &self.core.world)
+            .field("device", &self.ctx.ordinal())
+            .field("link", &self.core.link)
+            .field("config", &self.core.config)
+            .finish()
+    }
+}
+
+/// Captured allreduces waiting for `register_captured`, and peer buffers
+/// opened for earlier ones.
+#[derive(Default)]
+struct GraphState {
+    used: usize,
+    pending: Vec<Pending>,
+    opened: Vec<(usize, [u8; HANDLE], IpcMapping)>,
+}
+
+struct Pending {
+    slot: usize,
+    input: u64,
+    handle: [u8; HANDLE],
+    offset: u64,
+}
+
+impl ProcessGroup {
+    /// Forms rank `exchange.rank()` of a group of `exchange.world()` processes.
+    /// Every rank must pass the same `config`; a mismatch is reported.
+    pub fn new(ctx: &Arc<CudaContext>, exchange: &dyn Exchange, config: Config) -> Result<Self> {
+        let (rank, world) = (exchange.rank(), exchange.world());
+        check_world(world)?;
+        config.validate().map_err(Error::Config)?;
+        let kernels = Kernels::for_context(ctx)?;
+        kernels.prepare(world, false, config.threads_per_block)?;
+        let own = RankBuffers::new(ctx, config.max_bytes)?;
+        let rv = ipc::rendezvous(ctx, exchange, &config, &own)?;
+        let mut staging = [0u64; MAX_RANKS];
+        staging[rank] = own.staging.ptr();
+        let member = Member::new(
+            kernels,
+            Ranks::One(rank),
+            staging,
+            DeviceAlloc::from_value(ctx, &rv.table)?,
+        );
+        let graph_slots = DeviceAlloc::zeroed(ctx, GRAPH_SLOTS * std::mem::size_of::<RankTable>())?;
+        Ok(ProcessGroup {
+            rank,
+            core: Collective::new(
+                world,
+                config,
+                rv.link,
+                rv.signals,
+                vec![member],
+                vec![(rank, own)],
+            ),
+            ctx: ctx.clone(),
+            _opened: rv.opened,
+            host_table: rv.table,
+            graph_slots,
+            graph: Mutex::new(GraphState::default()),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world(&self) -> usize {
+        self.core.world
+    }
+    /// The link to the slowest peer (as `PeerGroup::link`).
+    pub fn link(&self) -> Link {
+        self.core.link
+    }
+    pub fn config(&self) -> &Config {
+        &self.core.config
+    }
+
+    /// Staged allreduce of this rank's `input` (a slice or view) into
+    /// `output`, on `stream`. Every rank must call it with the same dtype
+    /// and length. Returns the algorithm of the whole call; messages above
+    /// `Config::max_bytes` run in chunks.
+    pub fn allreduce<T, I, O>(
+        &self,
+        stream: &Arc<CudaStream>,
+        input: &I,
+        output: &mut O,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let count = count_of(
+            T::DTYPE,
+            std::iter::once(input.len()),
+            std::iter::once(output.len()),
+        )
+        .map_err(|e| match e {
+            Error::BufferTooSmall {
+                what, len, need, ..
+            } => Error::BufferTooSmall {
+                what,
+                rank: self.rank,
+                len,
+                need,
+            },
+            e => e,
+        })?;
+        let (inp, _gi) = input.device_ptr(stream);
+        let (out, _go) = output.device_ptr_mut(stream);
+        // SAFETY: both are live, hold >= count elements and are guarded
+        // until the work is enqueued on `stream`.
+        unsafe { self.allreduce_raw(stream, T::DTYPE, count, inp, out, algo) }
+    }
+
+    /// In-place allreduce of this rank's `buffer`.
+    pub fn allreduce_in_place<T, B>(
+        &self,
+        stream: &Arc<CudaStream>,
+        buffer: &mut B,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        B: DevicePtrMut<T>,
+    {
+        let count = buffer.len();
+        let (p, _g) = buffer.device_ptr_mut(stream);
+        // SAFETY: a live buffer of `count` elements; the input is staged.
+        unsafe { self.allreduce_raw(stream, T::DTYPE, count, p, p, algo) }
+    }
+
+    /// [`ProcessGroup::allreduce`] on raw device pointers of this rank's
+    /// device. The input is staged, so `output == input` (in place) is allowed.
+    ///
+    /// # Safety
+    /// `input` must be valid for reads and `output` for writes of `count`
+    /// elements of `dtype` until the work on `stream` completes.
+    pub unsafe fn allreduce_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        count: usize,
+        input: u64,
+        output: u64,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        let mut i = [0u64; MAX_RANKS];
+        let mut o = [0u64; MAX_RANKS];
+        i[self.rank] = input;
+        o[self.rank] = output;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.core.staged(&[stream], dtype, count, &i, &o, algo) }
+    }
+
+    /// [`ProcessGroup::allreduce`] after checking, through `exchange`, that
+    /// every rank passes the same dtype, element count and algorithm choice.
+    /// A mismatch is `Error::RankMismatch` on every rank, before any kernel
+    /// runs (without the check, a different count would end in a peer
+    /// timeout and a different dtype in wrong sums). Costs one host
+    /// round trip per call: for debugging and for first calls.
+    pub fn allreduce_checked<T, I, O>(
+        &self,
+        exchange: &dyn Exchange,
+        stream: &Arc<CudaStream>,
+        input: &I,
+        output: &mut O,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let code = |a: AlgoChoice| match a {
+            AlgoChoice::Auto => 0u8,
+            AlgoChoice::OneStage => 1,
+            AlgoChoice::TwoStage => 2,
+        };
+        let mut mine = vec![T::DTYPE as u32 as u8, code(algo)];
+        mine.extend_from_slice(&(input.len() as u64).to_le_bytes());
+        let all = exchange.all_gather(&mine)?;
+        let decode = |b: &[u8]| -> Option<(Dtype, u8, usize)> {
+            let first = *b.first()?;
+            let dtype = Dtype::ALL.into_iter().find(|d| *d as u32 as u8 == first)?;
+            let count = u64::from_le_bytes(b.get(2..10)?.try_into().ok()?) as usize;
+            Some((dtype, *b.get(1)?, count))
+        };
+        let (dtype0, algo0, count0) = decode(&all[0])
+            .ok_or_else(|| Error::Rendezvous("rank 0 sent a malformed call record".into()))?;
+        for (r, b) in all.iter().enumerate() {
+            let (dtype, a, count) = decode(b).ok_or_else(|| {
+                Error::Rendezvous(format!("rank {r} sent a malformed call record"))
+            })?;
+            if (dtype, count) != (dtype0, count0) {
+                return Err(Error::RankMismatch {
+                    rank: r,
+                    dtype,
+                    count,
+                    dtype0,
+                    count0,
+                });
+            }
+            if a != algo0 {
+                return Err(Error::GroupMismatch {
+                    rank: self.rank,
+                    other: r,
+                    what: "the algorithm choice of this allreduce differs".into(),
+                });
+            }
+        }
+        self.allreduce(stream, input, output, algo)
+    }
+
+    /// Zero-copy allreduce for CUDA-graph capture: peers read `input` itself.
+    /// `stream` must be capturing. The kernel's pointer table is a slot that
+    /// [`ProcessGroup::register_captured`] fills after capture, once the
+    /// ranks have exchanged IPC handles of the captured buffers; launching the
+    /// graph before that is reported as `Error::Unregistered`, not a crash.
+    /// Every rank must capture the same allreduces in the same order. Not
+    /// chunked: an explicit two-stage larger than the scratch is refused.
+    ///
+    /// # Safety
+    /// `input` and `output` must stay valid for `count` elements of `dtype`
+    /// for as long as the graph can be launched; `input` must come from plain
+    /// `cuMemAlloc` (CUDA IPC cannot export stream-ordered pool memory) and
+    /// must not be written while a replay runs.
+    pub unsafe fn allreduce_in_graph(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        count: usize,
+        input: u64,
+        output: u64,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.core.ensure_ok()?;
+        if !driver::is_capturing(stream)? {
+            return Err(Error::Config(
+                "allreduce_in_graph needs a stream that is capturing a CUDA graph; use allreduce outside capture".into(),
+            ));
+        }
+        check_aligned("input", self.rank, input)?;
+        let (base, _) = driver::address_range(&self.ctx, input)?;
+        let handle = driver::ipc_export(&self.ctx, base)?;
+        let mut g = self.graph.lock().unwrap_or_else(|p| p.into_inner());
+        if g.used == GRAPH_SLOTS {
+            return Err(Error::Config(format!(
+                "more than {GRAPH_SLOTS} allreduces captured by one ProcessGroup"
+            )));
+        }
+        let slot = g.used;
+        let table = self.graph_slots.ptr() + (slot * std::mem::size_of::<RankTable>()) as u64;
+        let mut o = [0u64; MAX_RANKS];
+        o[self.rank] = output;
+        // SAFETY: the slot lies inside `graph_slots` and is filled by
+        // register_captured before a replay can read it (a null input is
+        // reported by the kernel); input and output are the caller's contract.
+        let used = unsafe {
+            self.core
+                .zero_copy(&[stream], dtype, count, &[table], &o, algo)?
+        };
+        g.used += 1;
+        g.pending.push(Pending {
+            slot,
+            input,
+            handle,
+            offset: input - base,
+        });
+        Ok(used)
+    }
+
+    pub fn register_captured(&self, exchange: &dyn Exchange) -> Result<usize> {
+        let mut g = self.graph.lock().unwrap_or_else(|p| p.into_inner());
+        let mut mine = Vec::with_capacity(g.pending.len() * (HANDLE + 8));
+        for p in &g.pending {
+            mine.extend_from_slice(&p.handle);
+            mine.extend_from_slice(&p.offset.to_le_bytes());
+        }
+        let all = exchange.all_gather(&mine)?;
+        for (r, b) in all.iter().enumerate() {
+            if b.len() != mine.len() {
+                return Err(Error::GroupMismatch {
+                    rank: self.rank,
+                    other: r,
+                    what: format!(
+                        "it captured {} allreduces, this rank {}",
+                        b.len() / (HANDLE + 8),
+                        g.pending.len()
+                    ),
+                });
+            }
+        }
+        let pending = std::mem::take(&mut g.pending);
+        let n = pending.len();
+        for (i, p) in pending.iter().enumerate() {
+            let mut t = RankTable {
+                inputs: [0; MAX_RANKS],
+                scratch: self.host_table.scratch,
+            };
+            for (r, b) in all.iter().enumerate() {
+                if r == self.rank {
+                    t.inputs[r] = p.input;
+                    continue;
+                }
+                let rec = &b[i * (HANDLE + 8)..(i + 1) * (HANDLE + 8)];
+                let mut handle = [0u8; HANDLE];
+                handle.copy_from_slice(&rec[..HANDLE]);
+                let offset = u64::from_le_bytes(rec[HANDLE..].try_into().unwrap_or_default());
+                let base = match g.opened.iter().find(|(pr, h, _)| *pr == r && *h == handle) {
+                    Some((_, _, o)) => o.ptr(),
+                    None => {
+                        let o = IpcMapping::open(&self.ctx, &handle)?;
+                        let ptr = o.ptr();
+                        g.opened.push((r, handle, o));
+                        ptr
+                    }
+                };
+                t.inputs[r] = base + offset;
+            }
+            let off = p.slot * std::mem::size_of::<RankTable>();
+            // SAFETY: the slot lies inside `graph_slots` (a live allocation
+            // of this context); RankTable is plain data.
+            unsafe {
+                driver::write_at(
+                    &self.ctx,
+                    self.graph_slots.ptr() + off as u64,
+                    std::slice::from_ref(&t),
+                )?
+            };
+        }
+        Ok(n)
+    }
+
+    /// Waits for `stream`, then reports an error this rank's kernels recorded.
+    pub fn check(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.core.check(&[stream])
+    }
+
+    /// Zeroes this rank's signal after waiting for the device. Every rank
+    /// must reset (and agree on it out of band) before the next collective.
+    pub fn reset(&self) -> Result<()> {
+        self.core.reset()
+    }
+
+    /// Fault injection for your own tests, as
+    /// [`crate::VirtualGroup::launch_with_absent_ranks`]: every rank calls
+    /// it; the ranks in `absent_ranks` leave at once and the others record
+    /// `PeerTimeout`, which [`ProcessGroup::check`] reports. Does not wait.
+    pub fn launch_with_absent_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        absent_ranks: u32,
+        count: usize,
+    ) -> Result<()> {
+        self.core
+            .launch_with_absent_ranks(&[stream], absent_ranks, count)
+    }
+}

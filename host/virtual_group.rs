@@ -1,0 +1,257 @@
+//! [`VirtualGroup`]: N ranks on one GPU in one process; one launch runs all
+//! ranks (rank = `blockIdx.y`). This is how one GPU tests the real kernels
+//! and the real barrier protocol.
+
+use crate::abi::{Algorithm, Dtype, RankTable, MAX_RANKS};
+use crate::collective::{
+    by_rank, check_count, check_world, count_of, Collective, Member, RankBuffers,
+};
+use crate::driver::{DeviceAlloc, Kernels};
+use crate::element::DeviceElement;
+use crate::error::{Error, Result};
+use crate::launch::Ranks;
+use crate::plan::{AlgoChoice, Config, Link};
+use crate::registered::RegisteredBuffers;
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// N ranks on one GPU, one launch per collective.
+///
+/// Every call is ordered on the stream it is given; calls on different
+/// streams are ordered after each other by the group. Kernel errors (a peer
+/// timeout, only possible through [`VirtualGroup::launch_with_absent_ranks`]
+/// here) are reported by [`VirtualGroup::check`]; until then later calls
+/// return `Ok`.
+pub struct VirtualGroup {
+    core: Collective,
+}
+
+impl std::fmt::Debug for VirtualGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VirtualGroup")
+            .field("world", &self.core.world)
+            .field("device", &self.kernels().context().ordinal())
+            .field("config", &self.core.config)
+            .field("id", &self.core.id)
+            .finish()
+    }
+}
+
+/// The pointer table of `inputs` (one per rank) and the ranks' scratch.
+pub(crate) fn table_of(inputs: impl Fn(usize) -> u64, own: &[(usize, RankBuffers)]) -> RankTable {
+    let mut t = RankTable::default();
+    for (r, b) in own {
+        t.inputs[*r] = inputs(*r);
+        t.scratch[*r] = b.scratch.ptr();
+    }
+    t
+}
+
+impl VirtualGroup {
+    pub fn new(ctx: &Arc<CudaContext>, world: usize, config: Config) -> Result<Self> {
+        check_world(world)?;
+        config.validate().map_err(Error::Config)?;
+        let kernels = Kernels::for_context(ctx)?;
+        kernels.prepare(world, true, config.threads_per_block)?;
+        let own = (0..world)
+            .map(|r| Ok((r, RankBuffers::new(ctx, config.max_bytes)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let staging = by_rank(own.iter().map(|(_, b)| b.staging.ptr()));
+        let signals = by_rank(own.iter().map(|(_, b)| b.signal.ptr()));
+        let t = table_of(|r| staging[r], &own);
+        let member = Member::new(
+            kernels,
+            Ranks::All,
+            staging,
+            DeviceAlloc::from_value(ctx, &t)?,
+        );
+        Ok(VirtualGroup {
+            core: Collective::new(world, config, Link::SameDevice, signals, vec![member], own),
+        })
+    }
+
+    pub fn world(&self) -> usize {
+        self.core.world
+    }
+    pub fn config(&self) -> &Config {
+        &self.core.config
+    }
+    pub fn kernels(&self) -> &Kernels {
+        &self.core.members[0].kernels
+    }
+
+    /// Staged allreduce of `inputs[r]` into `outputs[r]` for every rank r
+    /// (slices or views), ordered on `stream`. Returns the algorithm of the
+    /// whole call. Messages above `Config::max_bytes` run in chunks.
+    pub fn allreduce<T, I, O>(
+        &self,
+        stream: &Arc<CudaStream>,
+        inputs: &[&I],
+        outputs: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        check_count("inputs", inputs.len(), self.world())?;
+        check_count("outputs", outputs.len(), self.world())?;
+        let count = count_of(
+            T::DTYPE,
+            inputs.iter().map(|i| i.len()),
+            outputs.iter().map(|o| o.len()),
+        )?;
+        let ins: Vec<_> = inputs.iter().map(|s| s.device_ptr(stream)).collect();
+        let outs: Vec<_> = outputs
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let i: Vec<u64> = ins.iter().map(|p| p.0).collect();
+        let o: Vec<u64> = outs.iter().map(|p| p.0).collect();
+        // SAFETY: every pointer comes from a live slice or view of at least
+        // `count` elements, guarded until the work is enqueued.
+        unsafe { self.allreduce_raw(stream, T::DTYPE, count, &i, &o, algo) }
+    }
+
+    /// In-place allreduce: every rank's buffer is both input and output.
+    pub fn allreduce_in_place<T, B>(
+        &self,
+        stream: &Arc<CudaStream>,
+        buffers: &mut [B],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        B: DevicePtrMut<T>,
+    {
+        check_count("buffers", buffers.len(), self.world())?;
+        let count = count_of(
+            T::DTYPE,
+            buffers.iter().map(|b| b.len()),
+            std::iter::empty(),
+        )?;
+        let bufs: Vec<_> = buffers
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let p: Vec<u64> = bufs.iter().map(|p| p.0).collect();
+        // SAFETY: live buffers of `count` elements; inputs are staged, so
+        // reading and writing the same buffer is allowed.
+        unsafe { self.allreduce_raw(stream, T::DTYPE, count, &p, &p, algo) }
+    }
+
+    /// [`VirtualGroup::allreduce`] on raw device pointers. Inputs are
+    /// staged, so `outputs[r] == inputs[r]` (in place) is allowed.
+    ///
+    /// # Safety
+    /// `inputs[r]` must be valid for reads and `outputs[r]` for writes of
+    /// `count` elements of `dtype`, until the work on `stream` completes.
+    pub unsafe fn allreduce_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        count: usize,
+        inputs: &[u64],
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("inputs", inputs.len(), self.world())?;
+        check_count("outputs", outputs.len(), self.world())?;
+        let (i, o) = (
+            by_rank(inputs.iter().copied()),
+            by_rank(outputs.iter().copied()),
+        );
+        // SAFETY: forwarded from the caller.
+        unsafe { self.core.staged(&[stream], dtype, count, &i, &o, algo) }
+    }
+
+    /// Allocates registered (zero-copy) input buffers of `len` elements per rank.
+    pub fn alloc_registered<T: DeviceElement>(&self, len: usize) -> Result<RegisteredBuffers<T>> {
+        let ctx = self.kernels().context();
+        let bufs = (0..self.world())
+            .map(|_| DeviceAlloc::zeroed(ctx, len * T::DTYPE.size()))
+            .collect::<Result<Vec<_>>>()?;
+        let t = table_of(|r| bufs[r].ptr(), &self.core.own);
+        Ok(RegisteredBuffers {
+            tables: vec![DeviceAlloc::from_value(ctx, &t)?],
+            bufs,
+            len,
+            group: self.core.id,
+            ctxs: vec![ctx.clone()],
+            _t: PhantomData,
+        })
+    }
+
+    /// Zero-copy allreduce of the first `count` elements of registered
+    /// buffers into `outputs`. Not chunked: a two-stage larger than the
+    /// scratch runs one-stage under `Auto` (same bits) and is refused when
+    /// asked for explicitly (`ScratchTooSmall`).
+    pub fn allreduce_registered<T, O>(
+        &self,
+        stream: &Arc<CudaStream>,
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        O: DevicePtrMut<T>,
+    {
+        self.core.ensure_ok()?;
+        reg.check_owner(self.core.id, count)?;
+        check_count("outputs", outputs.len(), self.world())?;
+        count_of(
+            T::DTYPE,
+            std::iter::once(count),
+            outputs.iter().map(|o| o.len()),
+        )?;
+        let outs: Vec<_> = outputs
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let o = by_rank(outs.iter().map(|p| p.0));
+        // SAFETY: the registered buffers hold >= count elements and their
+        // table names this group's scratch (owner checked); outputs hold
+        // >= count elements.
+        unsafe {
+            self.core
+                .zero_copy(&[stream], T::DTYPE, count, &reg.table_ptrs(), &o, algo)
+        }
+    }
+
+    /// Waits for `stream`, then reports any error the kernels recorded (a
+    /// peer timeout). After an error the group is poisoned until `reset`.
+    pub fn check(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.core.check(&[stream])
+    }
+
+    /// Brings every rank back to a clean state after an error: waits for the
+    /// device, zeroes all signals (epochs and error records).
+    pub fn reset(&self) -> Result<()> {
+        self.core.reset()
+    }
+
+    /// Fault injection for your own tests: one collective in which the
+    /// ranks in `absent_ranks` (a bit mask; rank r is bit r) leave at once,
+    /// as dead peers would; the others wait for them until the timeout and
+    /// record `PeerTimeout`, which [`VirtualGroup::check`] reports. Waits
+    /// for the stream.
+    pub fn launch_with_absent_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        absent_ranks: u32,
+        count: usize,
+    ) -> Result<()> {
+        self.core
+            .launch_with_absent_ranks(&[stream], absent_ranks, count)?;
+        stream.synchronize().map_err(|source| Error::Driver {
+            during: "cuStreamSynchronize",
+            source,
+        })
+    }
+}
+
+const _: () = assert!(MAX_RANKS <= 32, "absent_ranks is a u32 bit mask");
