@@ -45,6 +45,7 @@ pub mod error;
 pub mod exchange;
 pub mod ipc;
 mod launch;
+#[cfg(feature = "testkit")]
 pub mod measure;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -56,6 +57,7 @@ pub mod ptxas;
 pub mod reference;
 pub mod registered;
 pub mod topology;
+#[cfg(feature = "testkit")]
 pub mod validate;
 pub mod virtual_group;
 
