@@ -9,10 +9,12 @@
 //! per collective, a copy of the rank's new input into its buffer, then one
 //! kernel: start barrier, reads of every rank's input, [two-stage: own
 //! partition into scratch, mid barrier, peers' partitions from their
-//! scratch], and the end barrier where the kernel has one. The barrier
-//! orders are those of `device/src/kernels.rs` ([`Protocol::kernels`]):
+//! scratch], and the end barrier where the kernel has one. Which barriers
+//! run and with which order is read from the protocol table the kernels
+//! use (`device::barrier::{barriers, order}`, [`Protocol::kernels`]): today
 //! Start and End relaxed (`Order::ArrivalOnly`), Mid release/acquire
-//! (`Order::Publish`), no End in two-stage.
+//! (`Order::Publish`), no End in two-stage. The must-fail variants below
+//! change that table's protocol explicitly.
 //!
 //! A block's "thread p exchanges flags with peer p" is folded into one
 //! thread that first arrives at every peer and then waits for every peer,
@@ -50,9 +52,10 @@ use loom::cell::UnsafeCell;
 use loom::model::Builder;
 use loom::sync::atomic::{fence, AtomicU32, Ordering};
 use loom::sync::Arc;
-use p2p_allreduce::abi::{error_code, BarrierKind, ErrorRecord};
+use p2p_allreduce::abi::{error_code, Algorithm, BarrierKind, ErrorRecord};
 use p2p_allreduce::device::barrier::{
-    arrive_ordered, next_epoch, wait_ordered, Clock, FlagWord, Order, Wait, POLLS_PER_CLOCK_READ,
+    arrive_ordered, barriers, next_epoch, order, runs, wait_ordered, Clock, FlagWord, Order, Wait,
+    POLLS_PER_CLOCK_READ,
 };
 use p2p_allreduce::device::reduce::partition;
 
@@ -168,8 +171,9 @@ struct Protocol {
     len: usize,
     collectives: u32,
     two_stage: bool,
-    start: Order,
-    /// Two-stage only; `None` removes the barrier.
+    /// `None` removes the barrier (each of the three).
+    start: Option<Order>,
+    /// Two-stage only: one-stage has no place for it.
     mid: Option<Order>,
     /// `None`: no end barrier.
     end: Option<Order>,
@@ -189,26 +193,39 @@ struct Protocol {
     late: Option<(usize, u32)>,
 }
 
+/// The algorithm a model runs.
+const fn algorithm(two_stage: bool) -> Algorithm {
+    if two_stage {
+        Algorithm::TwoStage
+    } else {
+        Algorithm::OneStage
+    }
+}
+
+/// The order the kernels' protocol table gives barrier `kind` in `algo`,
+/// or `None` where the kernels run no such barrier.
+const fn table_order(algo: Algorithm, kind: BarrierKind) -> Option<Order> {
+    if runs(algo, kind) {
+        Some(order(kind))
+    } else {
+        None
+    }
+}
+
 impl Protocol {
-    /// The protocol of `device/src/kernels.rs`, under its hardware
+    /// The protocol of the kernels, from the table they use
+    /// (`device::barrier::{barriers, order}`), under its hardware
     /// assumptions.
     const fn kernels(world: usize, len: usize, collectives: u32, two_stage: bool) -> Self {
+        let algo = algorithm(two_stage);
         Protocol {
             world,
             len,
             collectives,
             two_stage,
-            start: Order::ArrivalOnly,
-            mid: if two_stage {
-                Some(Order::Publish)
-            } else {
-                None
-            },
-            end: if two_stage {
-                None
-            } else {
-                Some(Order::ArrivalOnly)
-            },
+            start: table_order(algo, BarrierKind::Start),
+            mid: table_order(algo, BarrierKind::Mid),
+            end: table_order(algo, BarrierKind::End),
             hw: Hw::ALL,
             timeout_ns: 0,
             epoch_before: 0,
@@ -221,7 +238,7 @@ impl Protocol {
     /// both algorithms, nothing assumed of the hardware.
     const fn release_acquire(world: usize, len: usize, collectives: u32, two_stage: bool) -> Self {
         Protocol {
-            start: Order::Publish,
+            start: Some(Order::Publish),
             mid: if two_stage {
                 Some(Order::Publish)
             } else {
@@ -235,7 +252,7 @@ impl Protocol {
 
     fn order(&self, kind: BarrierKind) -> Option<Order> {
         match kind {
-            BarrierKind::Start => Some(self.start),
+            BarrierKind::Start => self.start,
             BarrierKind::Mid => self.mid,
             BarrierKind::End => self.end,
         }
@@ -298,6 +315,8 @@ struct Rank<'a> {
     me: usize,
     p: Protocol,
     clock: StepClock,
+    /// The barriers this rank ran (arrived at), with their orders, in order.
+    ran: Vec<(BarrierKind, Order)>,
 }
 
 enum Stop {
@@ -312,6 +331,7 @@ impl<'a> Rank<'a> {
             me,
             p,
             clock: StepClock { now: 0 },
+            ran: Vec::new(),
         }
     }
 
@@ -329,6 +349,7 @@ impl<'a> Rank<'a> {
         if self.p.dies == Some((self.me, c, kind)) {
             return Err(Stop::Died);
         }
+        self.ran.push((kind, order));
         let relaxed = order == Order::ArrivalOnly;
         if relaxed && kind == BarrierKind::End && self.p.hw.reads_done_before_end {
             fence(Ordering::Release);
@@ -428,6 +449,16 @@ impl<'a> Rank<'a> {
     }
 
     fn run(mut self) -> Outcome {
+        self.run_collectives()
+    }
+
+    /// [`Rank::run`], also returning the barriers the rank ran.
+    fn run_recorded(mut self) -> (Outcome, Vec<(BarrierKind, Order)>) {
+        let outcome = self.run_collectives();
+        (outcome, self.ran)
+    }
+
+    fn run_collectives(&mut self) -> Outcome {
         let mut epoch = self.p.epoch_before;
         let mut out = vec![0u32; self.p.len];
         if let Some((rank, yields)) = self.p.late {
@@ -557,6 +588,26 @@ fn release_acquire_one_stage_two_ranks_two_collectives() {
 #[test]
 fn release_acquire_two_stage_two_ranks_two_collectives() {
     model_completes(Protocol::release_acquire(2, 3, 2, true), 2);
+}
+
+/// The model runs exactly the kernels' barriers: the sequence of the
+/// protocol table (`device::barrier::barriers`), in its order, each with the
+/// table's order, in every collective. One rank alone runs its whole
+/// sequence without waiting for anybody.
+#[test]
+fn model_runs_the_kernels_barrier_table() {
+    for algo in Algorithm::ALL {
+        let p = Protocol::kernels(1, 3, 2, algo == Algorithm::TwoStage);
+        builder(0).check(move || {
+            let world = vec![RankMem::new(1, p.len)];
+            let (outcome, ran) = Rank::new(&world, 0, p).run_recorded();
+            check_all_done(&p, &[outcome]);
+            let want: Vec<(BarrierKind, Order)> = (0..p.collectives)
+                .flat_map(|_| barriers(algo).iter().map(|&k| (k, order(k))))
+                .collect();
+            assert_eq!(ran, want, "{}", algo.name());
+        });
+    }
 }
 
 /// Epochs wrap from u32::MAX to 1 (never 0, the value of zeroed flags),

@@ -2,23 +2,117 @@
 //! atomic word and the clock, so the kernels use it with core atomics and
 //! `%globaltimer`, and the loom model runs the same code with loom atomics.
 //!
+//! Which barriers each algorithm runs ([`barriers`]) and with which memory
+//! order ([`order`]) is decided here too, once: the kernels and the loom
+//! model (tests/loom_barrier.rs) both read that table.
+//!
 //! Protocol for barrier kind K, block b, between rank r and peer p:
-//! 1. `arrive_ordered`: r stores the collective's epoch into p's signal at
+//! 1. [`arrive_ordered`]: r stores the collective's epoch into p's signal at
 //!    `K[b][r]`, with release semantics where the barrier publishes data
 //!    ([`Order::Publish`]) and relaxed otherwise ([`Order::ArrivalOnly`]);
-//! 2. `wait_ordered`: r polls its own signal at `K[b][p]` with relaxed loads
-//!    until it holds the epoch (then, for `Publish`, reads it once more with
-//!    acquire), or until the timeout passes.
+//! 2. [`wait_ordered`]: r polls its own signal at `K[b][p]` with relaxed
+//!    loads until it holds the epoch (then, for `Publish`, reads it once
+//!    more with acquire), or until the timeout passes.
+//!
 //! Only plain stores and loads touch peer memory: PCIe peer-to-peer has no
-//! read-modify-write atomics. Which barrier uses which order, and the
-//! hardware and stream-order facts the relaxed ones rely on, are in
-//! docs/design.md; tests/loom_barrier.rs models both.
+//! read-modify-write atomics. The hardware and stream-order facts the
+//! relaxed barriers rely on are in docs/design.md; tests/loom_barrier.rs
+//! models them.
 //!
 //! Why equality is enough: a peer writes the next epoch into a slot of set
 //! K only after passing the next `Start` barrier (or, for `Start` itself,
 //! after finishing this collective's last barrier), and both need this
 //! rank's arrival there, which comes after this rank's wait on the slot.
 //! So a slot never moves past the value being waited for.
+
+use crate::abi::{Algorithm, BarrierKind};
+
+/// The memory order of every barrier of kind `kind`, in every algorithm.
+///
+/// - `Start` is [`Order::ArrivalOnly`]: what peers read after it (the
+///   inputs) was written by earlier work on the owner's stream, which had
+///   completed, all its writes performed, before the owner's kernel began
+///   and so before its arrival; and no access after a poll that saw the
+///   epoch (and the `bar.sync` after it) is performed before that poll.
+///   Ordering comes from stream order, not from the flag.
+/// - `End` is [`Order::ArrivalOnly`]: every peer read it protects has
+///   returned its value (the value fed a store) before the reader's
+///   `bar.sync` and arrival, and the owner overwrites its input only in
+///   later stream work, after its kernel (and so its wait) completed.
+/// - `Mid` must be [`Order::Publish`]: peers read the partial sums written
+///   earlier in the same kernel, with no stream boundary in between, so
+///   only release/acquire on the flag orders those writes before the reads.
+#[inline(always)]
+pub const fn order(kind: BarrierKind) -> Order {
+    match kind {
+        BarrierKind::Start | BarrierKind::End => Order::ArrivalOnly,
+        BarrierKind::Mid => Order::Publish,
+    }
+}
+
+/// The barriers a kernel of `algo` runs, in program order.
+///
+/// - One-stage: `Start` (before any read of a peer's input), `End` (no rank
+///   returns, letting its input be overwritten, while a peer still reads it).
+/// - Two-stage: `Start`, `Mid` (between reduce-scatter into scratch and
+///   all-gather from peers' scratch), and no `End`: peers read inputs only
+///   before `Mid`, and a rank's scratch is next written after the next
+///   collective's `Start`, which a peer reaches only once its whole kernel
+///   for this collective (every stage-2 read of scratch) has completed,
+///   because kernels on one stream run in order.
+///
+/// Invariants, checked at compile time below: every sequence begins with
+/// `Start` (the kernels commit the new epoch after it), and kinds appear at
+/// most once, in the order `Start`, `Mid`, `End`, which is the order of the
+/// barrier sites in the kernels and in the model.
+#[inline(always)]
+pub const fn barriers(algo: Algorithm) -> &'static [BarrierKind] {
+    match algo {
+        Algorithm::OneStage => &[BarrierKind::Start, BarrierKind::End],
+        Algorithm::TwoStage => &[BarrierKind::Start, BarrierKind::Mid],
+    }
+}
+
+/// Whether a kernel of `algo` runs barrier `kind` (see [`barriers`]).
+#[inline(always)]
+pub const fn runs(algo: Algorithm, kind: BarrierKind) -> bool {
+    // A lookup in a table computed at compile time, rather than a search of
+    // the sequence, so the kernels' test folds as early as a constant does.
+    RUNS[algo as usize][kind as usize]
+}
+
+/// `RUNS[algo][kind]`: whether `kind` is in `barriers(algo)`.
+const RUNS: [[bool; 4]; 2] = {
+    let mut t = [[false; 4]; 2];
+    let mut a = 0;
+    while a < Algorithm::ALL.len() {
+        let algo = Algorithm::ALL[a];
+        let seq = barriers(algo);
+        let mut i = 0;
+        while i < seq.len() {
+            t[algo as usize][seq[i] as usize] = true;
+            i += 1;
+        }
+        a += 1;
+    }
+    t
+};
+
+// The table's invariants (see `barriers`).
+const _: () = {
+    let mut a = 0;
+    while a < Algorithm::ALL.len() {
+        let seq = barriers(Algorithm::ALL[a]);
+        assert!(!seq.is_empty() && seq[0] as u32 == BarrierKind::Start as u32);
+        let mut i = 1;
+        while i < seq.len() {
+            assert!((seq[i - 1] as u32) < seq[i] as u32);
+            i += 1;
+        }
+        a += 1;
+    }
+    assert!(matches!(order(BarrierKind::Mid), Order::Publish));
+};
 
 /// A 32-bit flag in memory another rank can see.
 pub trait FlagWord {
@@ -50,15 +144,11 @@ impl FlagWord for core::sync::atomic::AtomicU32 {
     }
 }
 
-/// How much a barrier must order.
+/// How much a barrier must order. Which barrier uses which, and why, is
+/// [`order`].
 ///
-/// `Publish` (release/acquire) is needed where a peer reads data written
-/// earlier in the same kernel: the two-stage partial sums before `Mid`.
-/// `ArrivalOnly` (relaxed) is enough for `Start` and `End`: inputs were
-/// written by earlier work on the owner's stream, which completed before
-/// the owner's kernel began, and every peer read that `End` protects has
-/// returned its value (it fed a store) before the reader's bar.sync and
-/// arrival. Relaxed polls are cheaper than system-scope acquires in the
+/// `Publish` is release/acquire on the flag; `ArrivalOnly` is relaxed, and
+/// relaxed polls are cheaper than system-scope acquires in the
 /// latency-bound small-message regime.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Order {
@@ -79,6 +169,7 @@ pub trait Clock {
 /// Polls between two clock reads: reading `%globaltimer` every iteration
 /// would slow the fast path of the loop for no gain.
 pub const POLLS_PER_CLOCK_READ: u32 = 32;
+const _: () = assert!(POLLS_PER_CLOCK_READ.is_power_of_two());
 
 /// The epoch that follows `prev`. Zero is never used, so zeroed signal
 /// memory never looks like an arrival.
@@ -92,13 +183,8 @@ pub const fn next_epoch(prev: u32) -> u32 {
     }
 }
 
-/// Step 1: tell the peer we arrived (release: publishes earlier writes).
-#[inline(always)]
-pub fn arrive<F: FlagWord + ?Sized>(slot_in_peer: &F, epoch: u32) {
-    arrive_ordered(slot_in_peer, epoch, Order::Publish);
-}
-
-/// [`arrive`] with an explicit [`Order`].
+/// Step 1: tell the peer we arrived, with the given [`Order`] (release
+/// for [`Order::Publish`]: publishes this thread's earlier writes).
 #[inline(always)]
 pub fn arrive_ordered<F: FlagWord + ?Sized>(slot_in_peer: &F, epoch: u32, order: Order) {
     match order {
@@ -113,18 +199,9 @@ pub enum Wait {
     TimedOut,
 }
 
-/// Step 2: wait for the peer's arrival (acquire). `timeout_ns == 0` waits forever.
-#[inline(always)]
-pub fn wait<F: FlagWord + ?Sized, C: Clock>(
-    own_slot: &F,
-    epoch: u32,
-    timeout_ns: u64,
-    clock: &mut C,
-) -> Wait {
-    wait_ordered(own_slot, epoch, timeout_ns, clock, Order::Publish)
-}
-
-/// [`wait`] with an explicit [`Order`].
+/// Step 2: wait for the peer's arrival (for [`Order::Publish`], with an
+/// acquire that synchronizes with its release). `timeout_ns == 0` waits
+/// forever.
 #[inline(always)]
 pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
     own_slot: &F,
@@ -153,7 +230,8 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
         }
         clock.relax();
         polls = polls.wrapping_add(1);
-        if timeout_ns != 0 && polls % POLLS_PER_CLOCK_READ == 0 {
+        // `polls % POLLS_PER_CLOCK_READ == 0`, as a mask (a power of two).
+        if timeout_ns != 0 && polls & (POLLS_PER_CLOCK_READ - 1) == 0 {
             let now = clock.now_ns();
             if now.wrapping_sub(t0) > timeout_ns {
                 // One last look, so an arrival racing with the deadline wins.

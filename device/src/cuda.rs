@@ -86,9 +86,11 @@ pub fn thread_fence_system() {
 pub unsafe fn ld_pack(p: *const Pack) -> Pack {
     let (a, b, c, d): (u32, u32, u32, u32);
     // SAFETY: the caller guarantees alignment and validity.
-    asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
-        p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
-        options(nostack, readonly));
+    unsafe {
+        asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            options(nostack, readonly));
+    }
     [a, b, c, d]
 }
 
@@ -99,9 +101,11 @@ pub unsafe fn ld_pack(p: *const Pack) -> Pack {
 #[inline(always)]
 pub unsafe fn st_pack(p: *mut Pack, v: Pack) {
     // SAFETY: the caller guarantees alignment and validity.
-    asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
-        p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
-        options(nostack));
+    unsafe {
+        asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack));
+    }
 }
 
 /// 16-byte global store marked evict-first (`st.global.cs.v4.u32`): for
@@ -113,9 +117,11 @@ pub unsafe fn st_pack(p: *mut Pack, v: Pack) {
 #[inline(always)]
 pub unsafe fn st_pack_streaming(p: *mut Pack, v: Pack) {
     // SAFETY: the caller guarantees alignment and validity.
-    asm!("st.global.cs.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
-        p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
-        options(nostack));
+    unsafe {
+        asm!("st.global.cs.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack));
+    }
 }
 
 /// `atomicCAS` on a 32-bit word in this GPU's own memory. Never used on
@@ -127,9 +133,11 @@ pub unsafe fn st_pack_streaming(p: *mut Pack, v: Pack) {
 pub unsafe fn atomic_cas_u32(p: *mut u32, compare: u32, value: u32) -> u32 {
     let old: u32;
     // SAFETY: the caller guarantees validity.
-    asm!("atom.global.cas.b32 {o}, [{p}], {c}, {v};",
-        o = out(reg32) old, p = in(reg64) p, c = in(reg32) compare, v = in(reg32) value,
-        options(nostack));
+    unsafe {
+        asm!("atom.global.cas.b32 {o}, [{p}], {c}, {v};",
+            o = out(reg32) old, p = in(reg64) p, c = in(reg32) compare, v = in(reg32) value,
+            options(nostack));
+    }
     old
 }
 

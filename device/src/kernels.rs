@@ -8,11 +8,16 @@
 //! value would corrupt memory): `gridDim.x <= MAX_BLOCKS` blocks per rank,
 //! `blockDim.x >= N`, the same grid on every rank of a collective, and for
 //! `_virtual` entries `gridDim.y == N` with all blocks co-resident.
+//!
+//! Which barriers run, and with which memory order, comes from the protocol
+//! table in [`crate::barrier`] ([`barriers`](crate::barrier::barriers),
+//! [`order`]); the kernels only place the barrier sites.
 
 use crate::abi::{
-    error_code, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal, MAX_BLOCKS, MAX_RANKS,
+    error_code, Algorithm, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal, MAX_BLOCKS,
+    MAX_RANKS,
 };
-use crate::barrier::{arrive_ordered, next_epoch, wait_ordered, Order, Wait};
+use crate::barrier::{arrive_ordered, next_epoch, order, runs, wait_ordered, Wait};
 use crate::cuda::*;
 use crate::numeric::{Bf16, Element, Pack, F16, F32};
 use crate::reduce::{partition, reduce_pack, split};
@@ -20,15 +25,27 @@ use core::ptr::{read_volatile, write_volatile};
 use core::sync::atomic::AtomicU32;
 
 /// The flag that `from` writes into the signal at `sig`.
+///
+/// # Safety
+/// `sig` must be the address of a [`Signal`] that stays mapped for `'a`,
+/// `block < MAX_BLOCKS` and `from < MAX_RANKS`, and the flag must be
+/// accessed only atomically while the reference lives.
 #[inline(always)]
 unsafe fn flag<'a>(sig: u64, kind: BarrierKind, block: u32, from: u32) -> &'a AtomicU32 {
-    // SAFETY: `sig` is a Signal of this collective (host contract) and the
-    // offset stays inside it because block < MAX_BLOCKS and from < N.
-    &*((sig as usize + Signal::flag_offset(kind, block as usize, from as usize))
-        as *const AtomicU32)
+    // SAFETY: `sig` is a Signal (caller contract) and the offset stays inside
+    // it because block < MAX_BLOCKS and from < MAX_RANKS; flags are 4-byte
+    // aligned u32s, which AtomicU32 may alias.
+    unsafe {
+        &*((sig as usize + Signal::flag_offset(kind, block as usize, from as usize))
+            as *const AtomicU32)
+    }
 }
 
 /// Claims this rank's error record and fills it. Only own memory is touched.
+///
+/// # Safety
+/// `own_sig` must be the address of this rank's own [`Signal`], in this
+/// GPU's memory (the claim is an atomic compare-and-swap).
 #[inline(always)]
 unsafe fn record_error(
     own_sig: u64,
@@ -40,13 +57,18 @@ unsafe fn record_error(
     barrier: u32,
 ) {
     let rec = (own_sig as usize + Signal::ERROR_OFFSET) as *mut ErrorRecord;
-    if atomic_cas_u32(core::ptr::addr_of_mut!((*rec).code), 0, code) == 0 {
-        write_volatile(core::ptr::addr_of_mut!((*rec).rank), rank);
-        write_volatile(core::ptr::addr_of_mut!((*rec).block), block);
-        write_volatile(core::ptr::addr_of_mut!((*rec).peer), peer);
-        write_volatile(core::ptr::addr_of_mut!((*rec).epoch), epoch);
-        write_volatile(core::ptr::addr_of_mut!((*rec).barrier), barrier);
-        thread_fence_system();
+    // SAFETY: `rec` is the error record inside this rank's own signal (caller
+    // contract), aligned and in local GPU memory; only the thread that wins
+    // the compare-and-swap writes the other fields.
+    unsafe {
+        if atomic_cas_u32(core::ptr::addr_of_mut!((*rec).code), 0, code) == 0 {
+            write_volatile(core::ptr::addr_of_mut!((*rec).rank), rank);
+            write_volatile(core::ptr::addr_of_mut!((*rec).block), block);
+            write_volatile(core::ptr::addr_of_mut!((*rec).peer), peer);
+            write_volatile(core::ptr::addr_of_mut!((*rec).epoch), epoch);
+            write_volatile(core::ptr::addr_of_mut!((*rec).barrier), barrier);
+            thread_fence_system();
+        }
     }
 }
 
@@ -66,13 +88,20 @@ fn pick<const N: usize>(ptrs: &[u64; MAX_RANKS], r: u32) -> u64 {
     o
 }
 
-/// A named barrier between block `block` of every rank. Thread p < N does
-/// the flag exchange with peer p; the rest of the block waits at bar.sync.
+/// A named barrier between block `block` of every rank, with the memory
+/// order the protocol table gives `kind` ([`order`]). Thread p < N does the
+/// flag exchange with peer p; the rest of the block waits at bar.sync.
 /// Returns false (in every thread) if any peer timed out; the error record
 /// is written and the caller must leave the kernel.
 ///
 /// `Start` needs no leading bar.sync (nothing was done yet) and `End` no
 /// trailing one (the kernel ends; a timeout there is recorded all the same).
+///
+/// # Safety
+/// `signals[..N]` must be the [`Signal`]s of the collective's ranks mapped
+/// into this address space and `own_sig` this rank's own; `N <= MAX_RANKS`,
+/// `rank < N`, `block < MAX_BLOCKS`, `blockDim.x >= N`; and every thread of
+/// the block must call it, with the same arguments (it contains bar.sync).
 #[inline(always)]
 unsafe fn block_barrier<const N: usize>(
     signals: &[u64; MAX_RANKS],
@@ -83,10 +112,7 @@ unsafe fn block_barrier<const N: usize>(
     epoch: u32,
     timeout_ns: u64,
 ) -> bool {
-    let order = match kind {
-        BarrierKind::Mid => Order::Publish,
-        BarrierKind::Start | BarrierKind::End => Order::ArrivalOnly,
-    };
+    let order = order(kind);
     if kind != BarrierKind::Start {
         // Every read and write of this block so far happens before the arrival.
         sync_threads();
@@ -95,21 +121,27 @@ unsafe fn block_barrier<const N: usize>(
     let mut failed = false;
     if (tid as usize) < N {
         arrive_ordered(
-            flag(pick::<N>(signals, tid), kind, block, rank),
+            // SAFETY: `pick` returns peer `tid`'s signal (tid < N), and
+            // block < MAX_BLOCKS, rank < N <= MAX_RANKS (caller contract).
+            unsafe { flag(pick::<N>(signals, tid), kind, block, rank) },
             epoch,
             order,
         );
-        let own = flag(own_sig, kind, block, tid);
+        // SAFETY: own signal, block < MAX_BLOCKS, tid < N <= MAX_RANKS.
+        let own = unsafe { flag(own_sig, kind, block, tid) };
         if wait_ordered(own, epoch, timeout_ns, &mut GlobalTimer, order) == Wait::TimedOut {
-            record_error(
-                own_sig,
-                error_code::PEER_TIMEOUT,
-                rank,
-                block,
-                tid,
-                epoch,
-                kind as u32,
-            );
+            // SAFETY: `own_sig` is this rank's own signal (caller contract).
+            unsafe {
+                record_error(
+                    own_sig,
+                    error_code::PEER_TIMEOUT,
+                    rank,
+                    block,
+                    tid,
+                    epoch,
+                    kind as u32,
+                )
+            };
             failed = true;
         }
     }
@@ -121,27 +153,83 @@ unsafe fn block_barrier<const N: usize>(
     !sync_threads_or(failed)
 }
 
-/// Reads element `idx` (bits in the low bits) of a buffer of `E`.
-#[inline(always)]
-unsafe fn ld_elem<E: Element>(base: u64, idx: u64) -> u32 {
-    if E::LANES == 4 {
-        read_volatile((base as *const u32).add(idx as usize))
+/// The algorithm of a kernel instance.
+const fn algorithm(two_stage: bool) -> Algorithm {
+    if two_stage {
+        Algorithm::TwoStage
     } else {
-        read_volatile((base as *const u16).add(idx as usize)) as u32
+        Algorithm::OneStage
     }
 }
 
+// The kernels have a site for `Mid` only between the two stages of the
+// two-stage algorithm; a table that gave one-stage a `Mid` would not be
+// honoured, so it does not build.
+const _: () = assert!(!runs(Algorithm::OneStage, BarrierKind::Mid));
+
+/// The barrier site `kind` of a kernel: runs [`block_barrier`] if the
+/// protocol table ([`crate::barrier::barriers`]) has `kind` for this
+/// algorithm, and does nothing otherwise (the table is constant, so the
+/// test folds away). Returns false if the caller must leave the kernel.
+///
+/// # Safety
+/// As for [`block_barrier`], with `a.signals` as `signals`.
+#[inline(always)]
+unsafe fn barrier_site<const N: usize, const TWO_STAGE: bool>(
+    a: &LaunchArgs,
+    own_sig: u64,
+    rank: u32,
+    block: u32,
+    kind: BarrierKind,
+    epoch: u32,
+) -> bool {
+    if !runs(algorithm(TWO_STAGE), kind) {
+        return true;
+    }
+    // SAFETY: forwarded caller contract.
+    unsafe { block_barrier::<N>(&a.signals, own_sig, rank, block, kind, epoch, a.timeout_ns) }
+}
+
+/// Reads element `idx` (bits in the low bits) of a buffer of `E`.
+///
+/// # Safety
+/// `base` must point to a buffer of `E` elements, aligned for them and
+/// valid for reads of element `idx`.
+#[inline(always)]
+unsafe fn ld_elem<E: Element>(base: u64, idx: u64) -> u32 {
+    // SAFETY: element `idx` of the buffer is readable (caller contract).
+    unsafe {
+        if E::LANES == 4 {
+            read_volatile((base as *const u32).add(idx as usize))
+        } else {
+            read_volatile((base as *const u16).add(idx as usize)) as u32
+        }
+    }
+}
+
+/// Writes element `idx` (bits in the low bits) of a buffer of `E`.
+///
+/// # Safety
+/// `base` must point to a buffer of `E` elements, aligned for them and
+/// valid for writes of element `idx`.
 #[inline(always)]
 unsafe fn st_elem<E: Element>(base: u64, idx: u64, bits: u32) {
-    if E::LANES == 4 {
-        write_volatile((base as *mut u32).add(idx as usize), bits)
-    } else {
-        write_volatile((base as *mut u16).add(idx as usize), bits as u16)
+    // SAFETY: element `idx` of the buffer is writable (caller contract).
+    unsafe {
+        if E::LANES == 4 {
+            write_volatile((base as *mut u32).add(idx as usize), bits)
+        } else {
+            write_volatile((base as *mut u16).add(idx as usize), bits as u16)
+        }
     }
 }
 
 /// Reduces the `tail` elements after the last whole pack (grid-stride over
 /// the whole grid), in rank order, into `output`.
+///
+/// # Safety
+/// `t.inputs[..N]` must be valid for reads, and `output` for writes, of
+/// elements `first .. first + tail`, all aligned for `E`.
 #[inline(always)]
 unsafe fn reduce_tail<E: Element, const N: usize>(
     t: &RankTable,
@@ -155,28 +243,54 @@ unsafe fn reduce_tail<E: Element, const N: usize>(
     let mut k = g;
     while k < tail {
         let idx = first + k;
-        let mut acc = E::to_f32(ld_elem::<E>(t.inputs[0], idx));
-        let mut r = 1;
-        while r < N {
-            acc += E::to_f32(ld_elem::<E>(t.inputs[r], idx));
-            r += 1;
+        // SAFETY: first <= idx < first + tail, inside every input and the
+        // output (caller contract).
+        unsafe {
+            let mut acc = E::to_f32(ld_elem::<E>(t.inputs[0], idx));
+            let mut r = 1;
+            while r < N {
+                acc += E::to_f32(ld_elem::<E>(t.inputs[r], idx));
+                r += 1;
+            }
+            st_elem::<E>(output, idx, E::from_f32(acc));
         }
-        st_elem::<E>(output, idx, E::from_f32(acc));
         k += stride;
     }
 }
 
 /// Loads pack `i` of every rank's input (N independent loads in flight) and
 /// reduces them in rank order.
+///
+/// # Safety
+/// Every `inputs[r]` must be a 16-byte aligned global address valid for
+/// reads of pack `i`.
 #[inline(always)]
 unsafe fn reduce_at<E: Element, const N: usize>(inputs: &[*const Pack; N], i: u64) -> Pack {
     let mut v = [[0u32; 4]; N];
     let mut r = 0;
     while r < N {
-        v[r] = ld_pack(inputs[r].add(i as usize));
+        // SAFETY: pack `i` of input r is readable (caller contract).
+        v[r] = unsafe { ld_pack(inputs[r].add(i as usize)) };
         r += 1;
     }
     reduce_pack::<E, N>(&v)
+}
+
+/// A store that either stays in L2 for peers to read (`KEEP`: two-stage
+/// scratch) or is marked evict-first (final results).
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address valid for writes.
+#[inline(always)]
+unsafe fn store<const KEEP: bool>(p: *mut Pack, v: Pack) {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        if KEEP {
+            st_pack(p, v)
+        } else {
+            st_pack_streaming(p, v)
+        }
+    }
 }
 
 /// Reduces packs `first + g`, `first + g + stride`, ... below `end` into
@@ -184,17 +298,11 @@ unsafe fn reduce_at<E: Element, const N: usize>(inputs: &[*const Pack; N], i: u6
 /// loads in flight before the first add hide more memory latency than N.
 /// Larger N already has 5..8 loads in flight, and unrolling would push the
 /// register count past what 512-thread blocks can hold.
-/// A store that either stays in L2 for peers to read (`KEEP`: two-stage
-/// scratch) or is marked evict-first (final results).
-#[inline(always)]
-unsafe fn store<const KEEP: bool>(p: *mut Pack, v: Pack) {
-    if KEEP {
-        st_pack(p, v)
-    } else {
-        st_pack_streaming(p, v)
-    }
-}
-
+///
+/// # Safety
+/// Every `inputs[r]` must be valid for reads, and `dst` (and `dst2` unless
+/// null) valid for writes, of packs `first .. end`; all of them 16-byte
+/// aligned global addresses.
 #[inline(always)]
 unsafe fn reduce_range<E: Element, const N: usize, const KEEP: bool>(
     inputs: &[*const Pack; N],
@@ -211,25 +319,37 @@ unsafe fn reduce_range<E: Element, const N: usize, const KEEP: bool>(
         let mut w = [[0u32; 4]; N];
         let mut r = 0;
         while r < N {
-            v[r] = ld_pack(inputs[r].add(i as usize));
-            w[r] = ld_pack(inputs[r].add((i + stride) as usize));
+            // SAFETY: first <= i < i + stride < end: both packs are in
+            // every input (caller contract).
+            unsafe {
+                v[r] = ld_pack(inputs[r].add(i as usize));
+                w[r] = ld_pack(inputs[r].add((i + stride) as usize));
+            }
             r += 1;
         }
         let a = reduce_pack::<E, N>(&v);
         let b = reduce_pack::<E, N>(&w);
-        store::<KEEP>(dst.add(i as usize), a);
-        store::<KEEP>(dst.add((i + stride) as usize), b);
-        if !dst2.is_null() {
-            st_pack_streaming(dst2.add(i as usize), a);
-            st_pack_streaming(dst2.add((i + stride) as usize), b);
+        // SAFETY: both packs are below `end`, so inside `dst` and, when not
+        // null, `dst2` (caller contract).
+        unsafe {
+            store::<KEEP>(dst.add(i as usize), a);
+            store::<KEEP>(dst.add((i + stride) as usize), b);
+            if !dst2.is_null() {
+                st_pack_streaming(dst2.add(i as usize), a);
+                st_pack_streaming(dst2.add((i + stride) as usize), b);
+            }
         }
         i += 2 * stride;
     }
     while i < end {
-        let a = reduce_at::<E, N>(inputs, i);
-        store::<KEEP>(dst.add(i as usize), a);
-        if !dst2.is_null() {
-            st_pack_streaming(dst2.add(i as usize), a);
+        // SAFETY: first <= i < end: pack i is in every input, in `dst` and,
+        // when not null, in `dst2` (caller contract).
+        unsafe {
+            let a = reduce_at::<E, N>(inputs, i);
+            store::<KEEP>(dst.add(i as usize), a);
+            if !dst2.is_null() {
+                st_pack_streaming(dst2.add(i as usize), a);
+            }
         }
         i += stride;
     }
@@ -238,26 +358,48 @@ unsafe fn reduce_range<E: Element, const N: usize, const KEEP: bool>(
 /// Copies packs `first + g`, `first + g + stride`, ... below `end`, four
 /// per iteration: a copy has no arithmetic to hide latency behind, so it
 /// needs more loads in flight than the reductions.
+///
+/// # Safety
+/// `src` must be valid for reads and `dst` for writes of packs
+/// `first .. end`, both 16-byte aligned global addresses.
 #[inline(always)]
 unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: u64, stride: u64) {
     let mut i = first + g;
     while i + 3 * stride < end {
-        let a = ld_pack(src.add(i as usize));
-        let b = ld_pack(src.add((i + stride) as usize));
-        let c = ld_pack(src.add((i + 2 * stride) as usize));
-        let d = ld_pack(src.add((i + 3 * stride) as usize));
-        st_pack_streaming(dst.add(i as usize), a);
-        st_pack_streaming(dst.add((i + stride) as usize), b);
-        st_pack_streaming(dst.add((i + 2 * stride) as usize), c);
-        st_pack_streaming(dst.add((i + 3 * stride) as usize), d);
+        // SAFETY: first <= i < i + 3 * stride < end: all four packs are in
+        // `src` and `dst` (caller contract).
+        unsafe {
+            let a = ld_pack(src.add(i as usize));
+            let b = ld_pack(src.add((i + stride) as usize));
+            let c = ld_pack(src.add((i + 2 * stride) as usize));
+            let d = ld_pack(src.add((i + 3 * stride) as usize));
+            st_pack_streaming(dst.add(i as usize), a);
+            st_pack_streaming(dst.add((i + stride) as usize), b);
+            st_pack_streaming(dst.add((i + 2 * stride) as usize), c);
+            st_pack_streaming(dst.add((i + 3 * stride) as usize), d);
+        }
         i += 4 * stride;
     }
     while i < end {
-        st_pack_streaming(dst.add(i as usize), ld_pack(src.add(i as usize)));
+        // SAFETY: first <= i < end: pack i is in `src` and `dst` (caller
+        // contract).
+        unsafe { st_pack_streaming(dst.add(i as usize), ld_pack(src.add(i as usize))) };
         i += stride;
     }
 }
 
+/// One rank's part of a collective, run by every thread of every block of
+/// the launch.
+///
+/// # Safety
+/// The launch contract of the module documentation holds, and `a` is what
+/// the host filled in: `a.signals[..N]` are the group's [`Signal`]s mapped
+/// into this address space; `a.table` points to a [`RankTable`] whose
+/// non-null inputs hold `a.count` elements of `E` and whose scratch
+/// pointers hold as many (two-stage), readable by this rank; the output of
+/// `rank` is valid for writes of `a.count` elements; every buffer is
+/// [`BUFFER_ALIGN`](crate::abi::BUFFER_ALIGN)-aligned; and every rank of
+/// the collective runs the same `N`, `TWO_STAGE`, grid and `a.count`.
 #[inline(always)]
 unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &LaunchArgs, rank: u32) {
     if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
@@ -270,14 +412,16 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     let own_sig = pick::<N>(&a.signals, rank);
     if nblocks as usize > MAX_BLOCKS || (nthreads as usize) < N {
         if tid == 0 {
-            record_error(own_sig, error_code::BAD_LAUNCH, rank, block, 0, 0, 0);
+            // SAFETY: `own_sig` is this rank's own signal (contract).
+            unsafe { record_error(own_sig, error_code::BAD_LAUNCH, rank, block, 0, 0, 0) };
         }
         return;
     }
 
     // Everything the data phase needs is loaded before the first barrier, so
     // its latency overlaps the flag exchange.
-    let t = &*(a.table as *const RankTable);
+    // SAFETY: `a.table` points to a RankTable the host filled (contract).
+    let t = unsafe { &*(a.table as *const RankTable) };
     let mut inputs = [core::ptr::null::<Pack>(); N];
     // A null input means a graph-captured table that was never registered.
     let mut missing = false;
@@ -289,29 +433,31 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     }
     if missing {
         if tid == 0 {
-            record_error(own_sig, error_code::UNREGISTERED, rank, block, 0, 0, 0);
+            // SAFETY: `own_sig` is this rank's own signal (contract).
+            unsafe { record_error(own_sig, error_code::UNREGISTERED, rank, block, 0, 0, 0) };
         }
         return;
     }
     let output = pick::<N>(&a.outputs, rank);
     let out = output as *mut Pack;
     let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
-    let epoch = next_epoch(read_volatile(epoch_ptr));
+    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
+    let prev = unsafe { read_volatile(epoch_ptr) };
+    let epoch = next_epoch(prev);
 
-    if !block_barrier::<N>(
-        &a.signals,
-        own_sig,
-        rank,
-        block,
-        BarrierKind::Start,
-        epoch,
-        a.timeout_ns,
-    ) {
+    // SAFETY: (this and the later barrier sites) the signals are the
+    // group's (contract), rank < N, block < MAX_BLOCKS and blockDim.x >= N
+    // (checked above), and control flow is uniform across the block up to
+    // each site.
+    let ok =
+        unsafe { barrier_site::<N, TWO_STAGE>(a, own_sig, rank, block, BarrierKind::Start, epoch) };
+    if !ok {
         return;
     }
     if tid == 0 {
         // Every thread that needed the old value read it before the barrier.
-        write_volatile(epoch_ptr, epoch);
+        // SAFETY: as for the read of `epoch_ptr` above.
+        unsafe { write_volatile(epoch_ptr, epoch) };
     }
 
     let lanes = E::LANES as u64;
@@ -320,38 +466,31 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     let stride = (nblocks * nthreads) as u64;
 
     if !TWO_STAGE {
-        reduce_range::<E, N, false>(&inputs, out, core::ptr::null_mut(), 0, s.packs, g, stride);
-        reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g, stride);
-        // No rank may return (and let its input be overwritten) while a peer
-        // still reads it.
-        block_barrier::<N>(
-            &a.signals,
-            own_sig,
-            rank,
-            block,
-            BarrierKind::End,
-            epoch,
-            a.timeout_ns,
-        );
+        // SAFETY: packs [0, s.packs) and the tail after them are inside every
+        // input and the output, which hold `a.count` elements (contract).
+        unsafe {
+            reduce_range::<E, N, false>(&inputs, out, core::ptr::null_mut(), 0, s.packs, g, stride);
+            reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g, stride);
+        }
     } else {
         // Stage 1 (reduce-scatter): own partition into own scratch, and
         // straight into own output, which saves re-reading it in stage 2.
         let (start, end) = partition(s.packs, N as u32, rank);
         let scratch = t.scratch[rank as usize] as *mut Pack;
-        reduce_range::<E, N, true>(&inputs, scratch, out, start, end, g, stride);
-        reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g, stride);
+        // SAFETY: the partition lies inside [0, s.packs), so inside every
+        // input, this rank's scratch and its output; the tail too (contract).
+        unsafe {
+            reduce_range::<E, N, true>(&inputs, scratch, out, start, end, g, stride);
+            reduce_tail::<E, N>(t, output, s.packs * lanes, s.tail, g, stride);
+        }
         // Block b of rank p wrote exactly the packs block b of this rank
         // reads below (same grid, same decomposition), so a per-block
         // barrier is enough.
-        if !block_barrier::<N>(
-            &a.signals,
-            own_sig,
-            rank,
-            block,
-            BarrierKind::Mid,
-            epoch,
-            a.timeout_ns,
-        ) {
+        // SAFETY: as for the Start site.
+        let ok = unsafe {
+            barrier_site::<N, TWO_STAGE>(a, own_sig, rank, block, BarrierKind::Mid, epoch)
+        };
+        if !ok {
             return;
         }
         // Stage 2 (all-gather), starting at the next rank so that the ranks
@@ -360,27 +499,39 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
         while k < N {
             let p = (rank as usize + k) % N;
             let (ps, pe) = partition(s.packs, N as u32, p as u32);
-            copy_range(t.scratch[p] as *const Pack, out, ps, pe, g, stride);
+            // SAFETY: peer p's partition lies inside its scratch and this
+            // rank's output (contract).
+            unsafe { copy_range(t.scratch[p] as *const Pack, out, ps, pe, g, stride) };
             k += 1;
         }
-        // No end barrier. Every peer finished reading this rank's input
-        // before it arrived at Mid. This rank's scratch is next written in
-        // stage 1 of the next collective, after its Start barrier, and a peer
-        // arrives there only when its kernel for this collective (all of its
-        // blocks, all of their stage-2 reads) has completed: kernels on one
-        // stream run in order.
     }
+    // One-stage: no rank may return (and let its input be overwritten) while
+    // a peer still reads it. Two-stage runs no End (see `barrier::barriers`).
+    // SAFETY: as for the Start site.
+    unsafe { barrier_site::<N, TWO_STAGE>(a, own_sig, rank, block, BarrierKind::End, epoch) };
 }
 
 macro_rules! entries {
     ($( $name:ident, $vname:ident: $E:ty, $N:literal, $two:literal; )*) => { $(
+        /// A real-rank entry: this rank is `a.rank`.
+        ///
+        /// # Safety
+        /// Launched by the host under the launch contract of the module
+        /// documentation, with `a` filled as `allreduce` requires.
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(a: LaunchArgs) {
-            allreduce::<$E, $N, $two>(&a, a.rank)
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce::<$E, $N, $two>(&a, a.rank) }
         }
+        /// A virtual-rank entry: this rank is `blockIdx.y`.
+        ///
+        /// # Safety
+        /// As for the real-rank entry, with `gridDim.y == N` and every
+        /// block co-resident.
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $vname(a: LaunchArgs) {
-            allreduce::<$E, $N, $two>(&a, block_idx_y())
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce::<$E, $N, $two>(&a, block_idx_y()) }
         }
     )* };
 }

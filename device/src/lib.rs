@@ -7,6 +7,7 @@
 //!   shared ABI ([`abi`]), the element types ([`numeric`]), the reduction and
 //!   partition functions ([`reduce`]) and the barrier protocol ([`barrier`]).
 #![no_std]
+#![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(
     target_arch = "nvptx64",
     feature(abi_ptx, asm_experimental_arch, stdarch_nvptx)
