@@ -16,10 +16,9 @@
 //!   `reset`: its ranks are out of step and a new collective would hang or
 //!   mix epochs.
 
-use crate::abi::{
-    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, BUFFER_ALIGN, MAX_RANKS,
-};
-use crate::driver::{self, DeviceAlloc, Kernels, PlainData as _};
+use crate::abi::{error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, MAX_RANKS};
+use crate::checks::{check_aligned, check_count};
+use crate::driver::{self, DeviceAlloc, HostMailbox, Kernels, PlainData as _};
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{launch_step, Ranks, Target};
 use crate::plan::{AlgoChoice, Config, Inputs, Link, Plan, Request};
@@ -31,32 +30,6 @@ use std::sync::{Arc, Mutex};
 pub(crate) fn next_group_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-pub(crate) fn check_world(world: usize) -> Result<()> {
-    if world == 0 || world > MAX_RANKS {
-        return Err(Error::WorldSize(world));
-    }
-    Ok(())
-}
-
-pub(crate) fn check_count(what: &'static str, got: usize, world: usize) -> Result<()> {
-    if got != world {
-        return Err(Error::RankCount { what, got, world });
-    }
-    Ok(())
-}
-
-pub(crate) fn check_aligned(what: &'static str, rank: usize, ptr: u64) -> Result<()> {
-    if ptr % BUFFER_ALIGN as u64 != 0 {
-        return Err(Error::Misaligned {
-            what,
-            rank,
-            ptr,
-            align: BUFFER_ALIGN,
-        });
-    }
-    Ok(())
 }
 
 /// One rank's group-owned memory: staging (inputs are copied here), scratch
@@ -154,6 +127,8 @@ pub(crate) struct Member {
     pub(crate) staged_table: DeviceAlloc,
     /// The stream of this member's last call (see [`Member::order`]).
     last: Mutex<Option<Arc<CudaStream>>>,
+    /// Where this member's kernels report an error to the host at once.
+    pub(crate) mailbox: HostMailbox,
 }
 
 impl Member {
@@ -162,14 +137,16 @@ impl Member {
         ranks: Ranks,
         staging: [u64; MAX_RANKS],
         staged_table: DeviceAlloc,
-    ) -> Self {
-        Member {
+    ) -> Result<Self> {
+        let mailbox = HostMailbox::new(kernels.context())?;
+        Ok(Member {
             kernels,
             ranks,
             staging,
             staged_table,
             last: Mutex::new(None),
-        }
+            mailbox,
+        })
     }
 
     fn context(&self) -> &Arc<CudaContext> {
@@ -235,14 +212,34 @@ impl Collective {
         }
     }
 
+    /// Refuses a call on a poisoned group, and turns an error a kernel has
+    /// reported to the host mailbox since into that error (the group is
+    /// poisoned by it). Cheap: reads host memory, no device synchronisation.
     pub(crate) fn ensure_ok(&self) -> Result<()> {
-        self.health.ensure_ok()
+        self.health.ensure_ok()?;
+        if self.members.iter().any(|m| m.mailbox.read() != 0) {
+            self.read_records()?;
+            // The mailbox was raised after the record was written, so a
+            // record must be there; if not, say the signal is corrupted.
+            let e = Error::UnknownKernelError { rank: 0, code: 0 };
+            self.health.poison(&e);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Reads this process's error records; the first error poisons the group.
+    fn read_records(&self) -> Result<()> {
+        for (rank, b) in &self.own {
+            read_error_record(*rank, &b.signal).inspect_err(|e| self.health.poison(e))?;
+        }
+        Ok(())
     }
 
     /// Checks one stream per member (on the member's device, no stream
     /// twice) and orders the call after the member's previous one.
     pub(crate) fn begin(&self, streams: &[&Arc<CudaStream>]) -> Result<()> {
-        self.health.ensure_ok()?;
+        self.ensure_ok()?;
         check_count("streams", streams.len(), self.members.len())?;
         for (m, (s, member)) in streams.iter().zip(&self.members).enumerate() {
             let rank = match member.ranks {
@@ -325,6 +322,7 @@ impl Collective {
                     signals: &self.signals,
                     outputs,
                     absent: 0,
+                    host_error: member.mailbox.device_ptr(),
                 };
                 // SAFETY: the staged table names this group's live staging
                 // and scratch buffers; outputs are the caller's contract.
@@ -373,6 +371,7 @@ impl Collective {
                     signals: &self.signals,
                     outputs,
                     absent: 0,
+                    host_error: member.mailbox.device_ptr(),
                 };
                 // SAFETY: forwarded from the caller.
                 unsafe {
@@ -400,21 +399,23 @@ impl Collective {
         Ok(())
     }
 
-    /// Fault injection: a one-stage f32 collective of `count` elements over
-    /// the staging buffers in which the ranks in `absent` (a bit mask) leave
-    /// at once, as dead peers would; results go to each rank's scratch. The
-    /// present ranks record a peer timeout, which [`Collective::check`]
-    /// reports.
+    /// Fault injection: a collective of `count` elements (at most what the
+    /// staging buffers hold) of `dtype` with `algorithm` over the staging
+    /// buffers, in which the ranks in `absent` (a bit mask) leave at once,
+    /// as dead peers would; results go to each rank's scratch. The present
+    /// ranks record a peer timeout, which [`Collective::check`] reports.
     pub(crate) fn launch_with_absent_ranks(
         &self,
         streams: &[&Arc<CudaStream>],
         absent: u32,
+        dtype: Dtype,
+        algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
-        let count = count.min(self.config.max_bytes / 4);
+        let count = count.min(self.config.max_bytes / dtype.size());
         let plan = Plan::new(
             &self.config,
-            self.request(Dtype::F32, count, Inputs::Staged, AlgoChoice::OneStage),
+            self.request(dtype, count, Inputs::Staged, algorithm.into()),
         )?;
         let mut outputs = [0u64; MAX_RANKS];
         for (r, b) in &self.own {
@@ -428,6 +429,7 @@ impl Collective {
                     signals: &self.signals,
                     outputs: &outputs,
                     absent,
+                    host_error: member.mailbox.device_ptr(),
                 };
                 // SAFETY: staging and scratch hold max_bytes >= count * 4.
                 unsafe {
@@ -452,6 +454,10 @@ impl Collective {
         check_count("streams", streams.len(), self.members.len())?;
         for (s, member) in streams.iter().zip(&self.members) {
             s.synchronize().during("cuStreamSynchronize")?;
+            member
+                .context()
+                .check_err()
+                .during("an earlier release of device memory or another deferred driver call")?;
             // Everything of this member on that stream has run.
             let mut last = member.last.lock().unwrap_or_else(|p| p.into_inner());
             if last
@@ -461,10 +467,7 @@ impl Collective {
                 *last = None;
             }
         }
-        for (rank, b) in &self.own {
-            read_error_record(*rank, &b.signal).inspect_err(|e| self.health.poison(e))?;
-        }
-        Ok(())
+        self.read_records()
     }
 
     /// Brings this process's ranks back to a clean state: waits for their
@@ -478,51 +481,10 @@ impl Collective {
         for (_, b) in &self.own {
             b.signal.write(&[Signal::zeroed()])?;
         }
+        for m in &self.members {
+            m.mailbox.clear();
+        }
         self.health.clear();
         Ok(())
     }
-}
-
-/// The element count of a call from every rank's input and output length:
-/// inputs must agree (`RankMismatch`), outputs must hold the count
-/// (`BufferTooSmall`).
-pub(crate) fn count_of(
-    dtype: Dtype,
-    inputs: impl Iterator<Item = usize>,
-    outputs: impl Iterator<Item = usize>,
-) -> Result<usize> {
-    let mut count = None;
-    for (r, len) in inputs.enumerate() {
-        let c0 = *count.get_or_insert(len);
-        if len != c0 {
-            return Err(Error::RankMismatch {
-                rank: r,
-                dtype,
-                count: len,
-                dtype0: dtype,
-                count0: c0,
-            });
-        }
-    }
-    let count = count.unwrap_or(0);
-    for (r, len) in outputs.enumerate() {
-        if len < count {
-            return Err(Error::BufferTooSmall {
-                what: "output",
-                rank: r,
-                len,
-                need: count,
-            });
-        }
-    }
-    Ok(count)
-}
-
-/// Pointer array by rank from a list (the rest zero).
-pub(crate) fn by_rank(ptrs: impl Iterator<Item = u64>) -> [u64; MAX_RANKS] {
-    let mut a = [0u64; MAX_RANKS];
-    for (slot, p) in a.iter_mut().zip(ptrs) {
-        *slot = p;
-    }
-    a
 }

@@ -10,13 +10,19 @@
 //! `INVALID_CONTEXT`) or, worse, acts on the wrong device; so no code
 //! outside this module makes raw driver calls.
 
-use crate::abi::LaunchArgs;
 use crate::error::{Context as _, Error, Result};
-use crate::ptx::{self, Entry, PtxModule};
+use crate::ptx::{self, PtxModule};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
-use std::collections::HashMap;
-use std::ffi::{c_void, CString};
-use std::sync::{Arc, Mutex};
+use std::ffi::CString;
+use std::sync::Arc;
+
+mod ipc;
+mod kernels;
+mod mailbox;
+
+pub use ipc::{address_range, ipc_export, IpcMapping, IPC_HANDLE_BYTES};
+pub use kernels::Kernels;
+pub use mailbox::HostMailbox;
 
 /// Whether libcuda can be loaded. cudarc panics on first use without it, so
 /// every entry point asks this first.
@@ -183,178 +189,22 @@ impl DeviceAlloc {
     }
 }
 
+/// Drops cannot return errors: a failed release is recorded in the
+/// context (cudarc's deferred error) and reported by the next `check()`.
+fn record_drop_error(
+    ctx: &Arc<CudaContext>,
+    r: std::result::Result<(), cudarc::driver::DriverError>,
+) {
+    ctx.record_err(r);
+}
+
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
-        // Errors cannot be returned from drop; a failing free leaks.
-        if self.ctx.bind_to_thread().is_ok() {
+        let r = self.ctx.bind_to_thread().and_then(|()| {
             // SAFETY: `ptr` came from cuMemAlloc and is freed exactly once.
-            let _ = unsafe { result::free_sync(self.ptr) };
-        }
-    }
-}
-
-/// The kernel module loaded into one context, with entry lookups cached.
-pub struct Kernels {
-    ctx: Arc<CudaContext>,
-    module: sys::CUmodule,
-    pub ptx: &'static PtxModule,
-    functions: Mutex<HashMap<Entry, usize>>,
-    /// Co-resident block capacity per (entry, threads): a fixed property of
-    /// the kernel and device, asked on every virtual launch.
-    capacity: Mutex<HashMap<(Entry, u32), u32>>,
-}
-
-// SAFETY: CUmodule and CUfunction handles are usable from any thread once the
-// owning context is current; all use goes through `ctx.bind_to_thread()`.
-unsafe impl Send for Kernels {}
-// SAFETY: as above; the function cache is behind a Mutex.
-unsafe impl Sync for Kernels {}
-
-/// Modules already loaded, per context: loading means JIT-compiling the PTX,
-/// so groups on the same context share one module. Weak, so the module is
-/// unloaded when the last group using it is dropped.
-static LOADED: Mutex<Vec<(usize, std::sync::Weak<Kernels>)>> = Mutex::new(Vec::new());
-
-impl Kernels {
-    /// The module for `ctx`, loaded once and shared.
-    pub fn for_context(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
-        let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
-        loaded.retain(|(_, w)| w.strong_count() > 0);
-        let key = ctx.cu_ctx() as usize;
-        if let Some(k) = loaded
-            .iter()
-            .find(|(c, _)| *c == key)
-            .and_then(|(_, w)| w.upgrade())
-        {
-            return Ok(k);
-        }
-        let k = Arc::new(Self::load(ctx)?);
-        loaded.push((key, Arc::downgrade(&k)));
-        Ok(k)
-    }
-
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let ptx = module_for_device(ctx)?;
-        ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        let src = CString::new(ptx.ptx).expect("embedded PTX has no NUL byte");
-        // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
-        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }
-            .during("cuModuleLoadData")?;
-        Ok(Kernels {
-            ctx: ctx.clone(),
-            module,
-            ptx,
-            functions: Mutex::new(HashMap::new()),
-            capacity: Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// Launches `entry` with one by-value [`LaunchArgs`] on `stream`, with
-    /// this module's context current.
-    ///
-    /// # Safety
-    /// Every pointer in `args` (and in the table it points to) must be valid
-    /// device memory of the sizes the kernel touches for `args.count`, and
-    /// `stream` must belong to this module's context.
-    pub unsafe fn launch(
-        &self,
-        stream: &CudaStream,
-        entry: Entry,
-        grid: (u32, u32),
-        threads: u32,
-        args: &LaunchArgs,
-    ) -> Result<()> {
-        let f = self.function(entry)?;
-        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        let mut params = [args as *const LaunchArgs as *mut c_void];
-        // SAFETY: `f` takes exactly one parameter of LaunchArgs' size and
-        // layout (asserted in abi.rs and checked against the PTX by
-        // tests/ptx.rs); the driver copies the parameter bytes before
-        // returning; pointer validity is the caller's contract.
-        unsafe {
-            result::launch_kernel(
-                f,
-                (grid.0, grid.1, 1),
-                (threads, 1, 1),
-                0,
-                stream.cu_stream(),
-                &mut params,
-            )
-        }
-        .during("cuLaunchKernel")
-    }
-
-    pub fn function(&self, entry: Entry) -> Result<sys::CUfunction> {
-        let mut cache = self.functions.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(f) = cache.get(&entry) {
-            return Ok(*f as sys::CUfunction);
-        }
-        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        let name = CString::new(entry.name()).expect("entry names have no NUL byte");
-        // SAFETY: the module is loaded and stays loaded while `self` lives.
-        let f = unsafe { result::module::get_function(self.module, name) }
-            .during("cuModuleGetFunction")?;
-        cache.insert(entry, f as usize);
-        Ok(f)
-    }
-
-    /// Resolves every entry a group of `world` ranks can launch (function
-    /// handle and co-resident capacity), so that no allreduce makes these
-    /// driver calls later: a first call inside CUDA-graph capture must not
-    /// have to.
-    pub fn prepare(&self, world: usize, virtual_ranks: bool, threads: u32) -> Result<()> {
-        for algorithm in crate::abi::Algorithm::ALL {
-            for dtype in crate::abi::Dtype::ALL {
-                let entry = Entry {
-                    algorithm,
-                    dtype,
-                    world,
-                    virtual_ranks,
-                };
-                self.co_resident_blocks(entry, threads)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// How many blocks of `threads` threads of `entry` fit on the whole GPU at once.
-    pub fn co_resident_blocks(&self, entry: Entry, threads: u32) -> Result<u32> {
-        if let Some(c) = self
-            .capacity
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&(entry, threads))
-        {
-            return Ok(*c);
-        }
-        let f = self.function(entry)?;
-        let sms = self
-            .ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .during("cuDeviceGetAttribute(multiprocessors)")?;
-        // SAFETY: `f` is a valid function of a loaded module.
-        let per_sm =
-            unsafe { result::occupancy::max_active_block_per_multiprocessor(f, threads as i32, 0) }
-                .during("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
-        let c = (per_sm.max(0) as u32) * sms as u32;
-        self.capacity
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert((entry, threads), c);
-        Ok(c)
-    }
-
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-}
-
-impl Drop for Kernels {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: the module was loaded by `load` and is unloaded once.
-            let _ = unsafe { result::module::unload(self.module) };
-        }
+            unsafe { result::free_sync(self.ptr) }
+        });
+        record_drop_error(&self.ctx, r);
     }
 }
 
@@ -388,91 +238,6 @@ pub fn enable_peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Res
         return Ok(());
     }
     r.result().during("cuCtxEnablePeerAccess")
-}
-
-/// Bytes of a CUDA IPC memory handle.
-pub const IPC_HANDLE_BYTES: usize = 64;
-
-/// The allocation holding device address `ptr`: `(base, size)`.
-pub fn address_range(ctx: &Arc<CudaContext>, ptr: u64) -> Result<(u64, usize)> {
-    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-    let mut base: sys::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    // SAFETY: plain query with valid out-pointers; the driver checks `ptr`.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-        .result()
-        .during("cuMemGetAddressRange")?;
-    Ok((base, size))
-}
-
-/// Exports the allocation starting at `base` (from plain `cuMemAlloc`) as a
-/// CUDA IPC handle.
-pub fn ipc_export(ctx: &Arc<CudaContext>, base: u64) -> Result<[u8; IPC_HANDLE_BYTES]> {
-    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
-    // SAFETY: the handle is plain bytes written by the driver; the driver
-    // rejects a `base` that is not the start of an exportable allocation.
-    unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }
-        .result()
-        .during(
-            "cuIpcGetMemHandle (the buffer must come from plain cuMemAlloc, not a stream-ordered pool)",
-        )?;
-    // SAFETY: zero-initialised, then written by the driver.
-    let h = unsafe { h.assume_init() };
-    let mut out = [0u8; IPC_HANDLE_BYTES];
-    for (o, c) in out.iter_mut().zip(h.reserved.iter()) {
-        *o = *c as u8;
-    }
-    Ok(out)
-}
-
-/// A peer process's allocation mapped into this process through its CUDA
-/// IPC handle; unmapped on drop.
-pub struct IpcMapping {
-    ctx: Arc<CudaContext>,
-    ptr: u64,
-}
-
-impl IpcMapping {
-    /// Maps the allocation behind `handle` into `ctx` (peer access is
-    /// enabled lazily by the driver when the owner is another device).
-    pub fn open(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<Self> {
-        let mut h = sys::CUipcMemHandle {
-            reserved: [0; IPC_HANDLE_BYTES],
-        };
-        for (d, b) in h.reserved.iter_mut().zip(handle) {
-            *d = *b as _;
-        }
-        ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `h` is a handle exported by a peer process; the driver
-        // validates it and writes the mapped address.
-        unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut ptr,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        }
-        .result()
-        .during("cuIpcOpenMemHandle")?;
-        Ok(IpcMapping {
-            ctx: ctx.clone(),
-            ptr,
-        })
-    }
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-}
-
-impl Drop for IpcMapping {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
-        }
-    }
 }
 
 /// Copies `src` to device address `dst` (synchronous), with `ctx` current.

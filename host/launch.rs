@@ -27,6 +27,8 @@ pub(crate) struct Target<'a> {
     pub outputs: &'a [u64; MAX_RANKS],
     /// Ranks that leave at once (fault injection; 0 normally).
     pub absent: u32,
+    /// Device address of the launching member's host error mailbox.
+    pub host_error: u64,
 }
 
 /// Launches `step` on `stream` for `ranks` of a `world`-rank group.
@@ -73,6 +75,7 @@ pub(crate) unsafe fn launch_step(
         timeout_ns: config.timeout_ns(),
         rank,
         absent_ranks: target.absent,
+        host_error: target.host_error,
         ..Default::default()
     };
     for r in 0..world {

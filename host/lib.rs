@@ -38,7 +38,9 @@ pub use p2p_allreduce_device::abi::{Algorithm, Dtype};
 /// signature): use it instead of guessing the matching version.
 pub use cudarc;
 
+mod checks;
 mod collective;
+pub mod config;
 pub mod driver;
 pub mod element;
 pub mod error;
@@ -69,3 +71,9 @@ pub use plan::{AlgoChoice, Config, Link, Thresholds};
 pub use process_group::ProcessGroup;
 pub use registered::RegisteredBuffers;
 pub use virtual_group::VirtualGroup;
+
+/// The README's code blocks, compiled (and run where they need no GPU) as
+/// doc tests, so the README's API section cannot drift from the code.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -3,9 +3,8 @@
 //! that rank's stream.
 
 use crate::abi::{Algorithm, Dtype};
-use crate::collective::{
-    by_rank, check_count, check_world, count_of, Collective, Member, RankBuffers,
-};
+use crate::checks::{by_rank, check_count, check_world, count_of};
+use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
@@ -101,12 +100,7 @@ impl PeerGroup {
             .zip(contexts)
             .enumerate()
             .map(|(r, (k, ctx))| {
-                Ok(Member::new(
-                    k,
-                    Ranks::One(r),
-                    staging,
-                    DeviceAlloc::from_value(ctx, &t)?,
-                ))
+                Member::new(k, Ranks::One(r), staging, DeviceAlloc::from_value(ctx, &t)?)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(PeerGroup {
@@ -332,6 +326,17 @@ impl PeerGroup {
         }
     }
 
+    /// Reports an error a kernel of this group has recorded so far (a peer
+    /// timeout), without waiting for the device: the kernels raise a mailbox
+    /// in pinned host memory, so this costs a host memory read while all is
+    /// well. Every allreduce call asks the same before it enqueues anything,
+    /// so after an error the next call fails instead of returning `Ok`;
+    /// an error of work still running shows once it is recorded.
+    /// [`Self::check`] waits for the device and then reports.
+    pub fn poll(&self) -> Result<()> {
+        self.core.ensure_ok()
+    }
+
     /// Waits for every rank's stream and reports recorded kernel errors.
     /// After an error the group is poisoned until [`PeerGroup::reset`].
     pub fn check(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
@@ -352,9 +357,12 @@ impl PeerGroup {
         &self,
         streams: &[Arc<CudaStream>],
         absent_ranks: u32,
+        dtype: Dtype,
+        algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        self.core.launch_with_absent_ranks(&s, absent_ranks, count)
+        self.core
+            .launch_with_absent_ranks(&s, absent_ranks, dtype, algorithm, count)
     }
 }

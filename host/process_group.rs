@@ -3,7 +3,8 @@
 //! entries on its own stream, like a [`crate::PeerGroup`] rank.
 
 use crate::abi::{Algorithm, Dtype, RankTable, MAX_RANKS};
-use crate::collective::{check_aligned, check_world, count_of, Collective, Member, RankBuffers};
+use crate::checks::{check_aligned, check_world, count_of};
+use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
@@ -99,7 +100,7 @@ impl ProcessGroup {
             Ranks::One(rank),
             staging,
             DeviceAlloc::from_value(ctx, &rv.table)?,
-        );
+        )?;
         let graph_slots = DeviceAlloc::zeroed(ctx, GRAPH_SLOTS * std::mem::size_of::<RankTable>())?;
         Ok(ProcessGroup {
             rank,
@@ -391,6 +392,17 @@ impl ProcessGroup {
         Ok(n)
     }
 
+    /// Reports an error a kernel of this group has recorded so far (a peer
+    /// timeout), without waiting for the device: the kernels raise a mailbox
+    /// in pinned host memory, so this costs a host memory read while all is
+    /// well. Every allreduce call asks the same before it enqueues anything,
+    /// so after an error the next call fails instead of returning `Ok`;
+    /// an error of work still running shows once it is recorded.
+    /// [`Self::check`] waits for the device and then reports.
+    pub fn poll(&self) -> Result<()> {
+        self.core.ensure_ok()
+    }
+
     /// Waits for `stream`, then reports an error this rank's kernels recorded.
     pub fn check(&self, stream: &Arc<CudaStream>) -> Result<()> {
         self.core.check(&[stream])
@@ -410,9 +422,11 @@ impl ProcessGroup {
         &self,
         stream: &Arc<CudaStream>,
         absent_ranks: u32,
+        dtype: Dtype,
+        algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
         self.core
-            .launch_with_absent_ranks(&[stream], absent_ranks, count)
+            .launch_with_absent_ranks(&[stream], absent_ranks, dtype, algorithm, count)
     }
 }

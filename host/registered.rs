@@ -115,8 +115,10 @@ impl<T: DeviceElement> Drop for RegisteredBuffers<T> {
     fn drop(&mut self) {
         // A kernel still in flight may read these buffers: wait for the
         // devices before the allocations are freed.
+        // A failure is recorded in the context and reported by the next
+        // check() (cudarc's deferred error), never dropped silently.
         for c in &self.ctxs {
-            let _ = c.synchronize();
+            c.record_err(c.synchronize());
         }
     }
 }

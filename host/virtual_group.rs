@@ -3,9 +3,8 @@
 //! and the real barrier protocol.
 
 use crate::abi::{Algorithm, Dtype, RankTable, MAX_RANKS};
-use crate::collective::{
-    by_rank, check_count, check_world, count_of, Collective, Member, RankBuffers,
-};
+use crate::checks::{by_rank, check_count, check_world, count_of};
+use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
@@ -65,7 +64,7 @@ impl VirtualGroup {
             Ranks::All,
             staging,
             DeviceAlloc::from_value(ctx, &t)?,
-        );
+        )?;
         Ok(VirtualGroup {
             core: Collective::new(world, config, Link::SameDevice, signals, vec![member], own),
         })
@@ -222,6 +221,17 @@ impl VirtualGroup {
         }
     }
 
+    /// Reports an error a kernel of this group has recorded so far (a peer
+    /// timeout), without waiting for the device: the kernels raise a mailbox
+    /// in pinned host memory, so this costs a host memory read while all is
+    /// well. Every allreduce call asks the same before it enqueues anything,
+    /// so after an error the next call fails instead of returning `Ok`;
+    /// an error of work still running shows once it is recorded.
+    /// [`Self::check`] waits for the device and then reports.
+    pub fn poll(&self) -> Result<()> {
+        self.core.ensure_ok()
+    }
+
     /// Waits for `stream`, then reports any error the kernels recorded (a
     /// peer timeout). After an error the group is poisoned until `reset`.
     pub fn check(&self, stream: &Arc<CudaStream>) -> Result<()> {
@@ -243,10 +253,12 @@ impl VirtualGroup {
         &self,
         stream: &Arc<CudaStream>,
         absent_ranks: u32,
+        dtype: Dtype,
+        algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
         self.core
-            .launch_with_absent_ranks(&[stream], absent_ranks, count)?;
+            .launch_with_absent_ranks(&[stream], absent_ranks, dtype, algorithm, count)?;
         stream.synchronize().map_err(|source| Error::Driver {
             during: "cuStreamSynchronize",
             source,

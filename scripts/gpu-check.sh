@@ -28,7 +28,7 @@ for line in sys.stdin:
   cargo bench --no-run --bench allreduce --message-format=json | exes | while read -r name exe; do
     cp "$exe" ".carry/bin/bench-$name"
   done
-  cargo build --release --features nccl --bin p2p-allreduce
+  cargo build --release --features cli --bin p2p-allreduce
   cp target/release/p2p-allreduce .carry/bin/
   for need in test-gpu bench-allreduce p2p-allreduce; do
     [ -x ".carry/bin/$need" ] || { echo "gpu-check: build did not produce $need" >&2; exit 1; }

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-cargo run --release --bin p2p-allreduce -- "$@"
+cargo run --release --features cli --bin p2p-allreduce -- "$@"

@@ -37,6 +37,7 @@ fn main() {
         ("chunked_large_message", chunked),
         ("peer_timeout_is_reported", timeout),
         ("user_errors_are_typed", user_errors),
+        ("api_safety_misuse_is_refused_or_ordered", api_safety),
         ("peer_group_real_rank_entries_every_gpu", peer_group),
         ("peer_group_graph_replays", peer_group_graphs),
         ("ipc_process_group_every_gpu", ipc_processes),
@@ -550,7 +551,7 @@ fn timeout(g: &Gpu) {
     )
     .expect("group");
     let t0 = Instant::now();
-    grp.launch_with_absent_ranks(&g.stream, 1 << 2, 100_000)
+    grp.launch_with_absent_ranks(&g.stream, 1 << 2, Dtype::F32, Algorithm::OneStage, 100_000)
         .expect("launch");
     let waited = t0.elapsed();
     match grp.check(&g.stream) {
@@ -585,6 +586,52 @@ fn timeout(g: &Gpu) {
         g.stream.clone_dtoh(&outs[1]).expect("dtoh"),
         vec![4.0f32; 64]
     );
+    // Fault injection works for every dtype and algorithm, on virtual ranks
+    // and on a PeerGroup (across GPUs when there are two).
+    let v3 = VirtualGroup::new(
+        &g.ctx,
+        3,
+        Config {
+            timeout: Duration::from_millis(20),
+            ..Config::default()
+        },
+    )
+    .expect("group");
+    let ctxs = all_gpus(g);
+    let place: Vec<usize> = if ctxs.len() >= 2 {
+        vec![0, 1]
+    } else {
+        vec![0, 0]
+    };
+    let (pg, streams) = peer_setup(
+        &ctxs,
+        &place,
+        Config {
+            timeout: Duration::from_millis(20),
+            ..Config::default()
+        },
+    );
+    for dtype in Dtype::ALL {
+        for algo in Algorithm::ALL {
+            v3.launch_with_absent_ranks(&g.stream, 0b010, dtype, algo, 5000)
+                .expect("launch");
+            match v3.check(&g.stream) {
+                Err(Error::PeerTimeout { peer: 1, .. }) => {}
+                other => panic!(
+                    "virtual {dtype:?} {algo:?}: expected PeerTimeout naming 1, got {other:?}"
+                ),
+            }
+            v3.reset().expect("reset");
+            pg.launch_with_absent_ranks(&streams, 0b10, dtype, algo, 5000)
+                .expect("launch");
+            match pg.check(&streams) {
+                Err(Error::PeerTimeout { rank: 0, peer: 1, .. }) => {}
+                other => panic!("PeerGroup {place:?} {dtype:?} {algo:?}: expected PeerTimeout naming 1, got {other:?}"),
+            }
+            pg.reset().expect("reset");
+        }
+    }
+    println!("  fault injection: every dtype x algorithm on virtual ranks and a PeerGroup on GPUs {place:?} reports the absent peer");
     // Timeout 0 means wait forever and must not fire on a healthy collective.
     let forever = VirtualGroup::new(
         &g.ctx,
@@ -820,6 +867,140 @@ fn peer_setup(
         .map(|c| c.new_stream().expect("stream"))
         .collect();
     (grp, streams)
+}
+
+/// The misuses of the API-safety issue, each now an error or a correct
+/// result: registered buffers of a dropped group, one group driven from
+/// two streams without synchronisation, a chunked call's reported
+/// algorithm, and errors seen without `check()`.
+fn api_safety(g: &Gpu) {
+    // 1. Registered buffers outlive their group: a new group refuses them
+    //    (before, the call returned Ok and wrote freed memory).
+    let first = group(g, 2);
+    let reg = first.alloc_registered::<f32>(1000).expect("registered");
+    drop(first);
+    let second = group(g, 2);
+    let mut outs: Vec<CudaSlice<f32>> = (0..2).map(|_| poisoned::<f32>(g, 1000)).collect();
+    assert!(matches!(
+        second.allreduce_registered(&g.stream, &reg, 1000, &mut outs, AlgoChoice::Auto),
+        Err(Error::ForeignRegistered)
+    ));
+    drop(reg);
+
+    // 2. One group, two streams, no synchronisation between the calls: the
+    //    group orders each call after the previous one (it shares staging
+    //    and flags), so every result is exact.
+    let s2 = g.ctx.new_stream().expect("stream");
+    let world = 4;
+    let grp = group(g, world);
+    let len = 1_000_000;
+    let mut runs = Vec::new();
+    for k in 0..6u64 {
+        let stream = if k % 2 == 0 { &g.stream } else { &s2 };
+        let inputs = values::adversarial_inputs(Dtype::F32, world, len, 300 + k, true);
+        let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let want = reference::allreduce_bits(Dtype::F32, &refs);
+        let ins: Vec<CudaSlice<f32>> = inputs.iter().map(|b| upload_on::<f32>(stream, b)).collect();
+        let mut outs: Vec<CudaSlice<f32>> = (0..world)
+            .map(|_| poisoned_on::<f32>(stream, len))
+            .collect();
+        let in_refs: Vec<&CudaSlice<f32>> = ins.iter().collect();
+        grp.allreduce(stream, &in_refs, &mut outs, AlgoChoice::Auto)
+            .expect("allreduce");
+        runs.push((stream.clone(), ins, outs, want));
+    }
+    for (k, (stream, _ins, outs, want)) in runs.iter().enumerate() {
+        grp.check(stream).expect("check");
+        let got: Vec<Vec<u32>> = outs.iter().map(|o| download_on(stream, o, len)).collect();
+        assert_ranks(&format!("two streams, call {k}"), Dtype::F32, &got, want);
+    }
+
+    // 3. A chunked call reports the algorithm of the whole call: every
+    //    chunk runs the one chosen from the message size.
+    let small = VirtualGroup::new(
+        &g.ctx,
+        2,
+        Config {
+            max_bytes: 64 << 10,
+            ..Config::default()
+        },
+    )
+    .expect("group");
+    let a = g.stream.clone_htod(&vec![1.0f32; 300_000]).expect("htod");
+    let mut outs = vec![poisoned::<f32>(g, 300_000), poisoned::<f32>(g, 300_000)];
+    let used = small
+        .allreduce(&g.stream, &[&a, &a], &mut outs, AlgoChoice::Auto)
+        .expect("chunked");
+    assert_eq!(
+        used,
+        small.config().thresholds.choose(
+            AlgoChoice::Auto,
+            1_200_000,
+            2,
+            p2p_allreduce::Link::SameDevice
+        )
+    );
+    small.check(&g.stream).expect("check");
+
+    // 4. Errors without check(): after a peer timeout, poll() reports it
+    //    from host memory and the next call fails instead of returning Ok.
+    let t = VirtualGroup::new(
+        &g.ctx,
+        2,
+        Config {
+            timeout: Duration::from_millis(20),
+            ..Config::default()
+        },
+    )
+    .expect("group");
+    t.poll().expect("healthy group polls Ok");
+    t.launch_with_absent_ranks(&g.stream, 0b10, Dtype::Bf16, Algorithm::TwoStage, 1000)
+        .expect("launch");
+    assert!(
+        matches!(t.poll(), Err(Error::PeerTimeout { peer: 1, .. })),
+        "poll after a timeout"
+    );
+    let mut outs = vec![poisoned::<f32>(g, 100), poisoned::<f32>(g, 100)];
+    let b = g.stream.clone_htod(&vec![1.0f32; 100]).expect("htod");
+    assert!(matches!(
+        t.allreduce(&g.stream, &[&b, &b], &mut outs, AlgoChoice::Auto),
+        Err(Error::Poisoned(_))
+    ));
+    t.reset().expect("reset");
+    t.poll().expect("Ok after reset");
+    t.allreduce(&g.stream, &[&b, &b], &mut outs, AlgoChoice::Auto)
+        .expect("after reset");
+    t.check(&g.stream).expect("check");
+    assert_eq!(
+        g.stream.clone_dtoh(&outs[0]).expect("dtoh"),
+        vec![2.0f32; 100]
+    );
+
+    // Views and in place through the typed API.
+    let big = g.stream.clone_htod(&vec![3.0f32; 1000]).expect("htod");
+    let mut bufs = vec![
+        g.stream.clone_htod(&vec![1.0f32; 1000]).expect("htod"),
+        g.stream.clone_htod(&vec![2.0f32; 1000]).expect("htod"),
+    ];
+    {
+        let v = big.slice(100..356);
+        let (l, r) = bufs.split_at_mut(1);
+        let mut outs = [l[0].slice_mut(0..256), r[0].slice_mut(512..768)];
+        second
+            .allreduce(&g.stream, &[&v, &v], &mut outs, AlgoChoice::OneStage)
+            .expect("views");
+    }
+    second
+        .allreduce_in_place(&g.stream, &mut bufs, AlgoChoice::TwoStage)
+        .expect("in place");
+    second.check(&g.stream).expect("check");
+    let b0 = g.stream.clone_dtoh(&bufs[0]).expect("dtoh");
+    // Elements 0..256 of rank 0 were 6 (3 + 3) before the in-place sum with
+    // rank 1's 2s; the rest were 1 + 2.
+    assert_eq!(b0[0], 8.0);
+    assert_eq!(b0[300], 3.0);
+    assert_eq!(b0[600], 7.0);
+    println!("  foreign registered buffers refused; two streams ordered (6 calls exact); chunked call reports its one algorithm; poll() and the next call see a timeout without check(); views and in place");
 }
 
 fn peer_group(g: &Gpu) {

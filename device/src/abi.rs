@@ -148,6 +148,10 @@ pub struct LaunchArgs {
     /// Fault injection for tests: ranks whose bit is set leave the kernel
     /// at once, as a dead peer would. Zero in normal use.
     pub absent_ranks: u32,
+    /// Device address of a `u32` in mapped pinned host memory that a kernel
+    /// sets to its error code after writing an error record (0: none), so
+    /// the host learns of an error without synchronising.
+    pub host_error: u64,
 }
 
 // Layout checks: the host writes these bytes and the PTX reads them.
@@ -161,13 +165,14 @@ const _: () = {
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
     assert!(size_of::<RankTable>() == 128);
-    assert!(size_of::<LaunchArgs>() == 160);
+    assert!(size_of::<LaunchArgs>() == 168);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);
     assert!(offset_of!(LaunchArgs, count) == 136);
     assert!(offset_of!(LaunchArgs, timeout_ns) == 144);
     assert!(offset_of!(LaunchArgs, rank) == 152);
     assert!(offset_of!(LaunchArgs, absent_ranks) == 156);
+    assert!(offset_of!(LaunchArgs, host_error) == 160);
 };
 
 /// Element types the kernels reduce.

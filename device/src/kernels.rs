@@ -41,14 +41,19 @@ unsafe fn flag<'a>(sig: u64, kind: BarrierKind, block: u32, from: u32) -> &'a At
     }
 }
 
-/// Claims this rank's error record and fills it. Only own memory is touched.
+/// Claims this rank's error record and fills it, then raises the host's
+/// mailbox (`host_error`, mapped pinned host memory; 0 for none) so the host
+/// can see that a record exists without synchronising with the device.
+/// Only own memory is touched.
 ///
 /// # Safety
 /// `own_sig` must be the address of this rank's own [`Signal`], in this
-/// GPU's memory (the claim is an atomic compare-and-swap).
+/// GPU's memory (the claim is an atomic compare-and-swap); `host_error`
+/// zero or a device-mapped `u32` of host memory.
 #[inline(always)]
 unsafe fn record_error(
     own_sig: u64,
+    host_error: u64,
     code: u32,
     rank: u32,
     block: u32,
@@ -67,7 +72,12 @@ unsafe fn record_error(
             write_volatile(core::ptr::addr_of_mut!((*rec).peer), peer);
             write_volatile(core::ptr::addr_of_mut!((*rec).epoch), epoch);
             write_volatile(core::ptr::addr_of_mut!((*rec).barrier), barrier);
+            // The record is visible (system scope) before the mailbox says so.
             thread_fence_system();
+            if host_error != 0 {
+                write_volatile(host_error as *mut u32, code);
+                thread_fence_system();
+            }
         }
     }
 }
@@ -98,20 +108,21 @@ fn pick<const N: usize>(ptrs: &[u64; MAX_RANKS], r: u32) -> u64 {
 /// trailing one (the kernel ends; a timeout there is recorded all the same).
 ///
 /// # Safety
-/// `signals[..N]` must be the [`Signal`]s of the collective's ranks mapped
-/// into this address space and `own_sig` this rank's own; `N <= MAX_RANKS`,
+/// `a.signals[..N]` must be the [`Signal`]s of the collective's ranks mapped
+/// into this address space and `own_sig` this rank's own; `a.host_error`
+/// zero or a device-mapped host `u32`; `N <= MAX_RANKS`,
 /// `rank < N`, `block < MAX_BLOCKS`, `blockDim.x >= N`; and every thread of
 /// the block must call it, with the same arguments (it contains bar.sync).
 #[inline(always)]
 unsafe fn block_barrier<const N: usize>(
-    signals: &[u64; MAX_RANKS],
+    a: &LaunchArgs,
     own_sig: u64,
     rank: u32,
     block: u32,
     kind: BarrierKind,
     epoch: u32,
-    timeout_ns: u64,
 ) -> bool {
+    let (signals, timeout_ns) = (&a.signals, a.timeout_ns);
     let order = order(kind);
     if kind != BarrierKind::Start {
         // Every read and write of this block so far happens before the arrival.
@@ -134,6 +145,7 @@ unsafe fn block_barrier<const N: usize>(
             unsafe {
                 record_error(
                     own_sig,
+                    a.host_error,
                     error_code::PEER_TIMEOUT,
                     rank,
                     block,
@@ -173,7 +185,7 @@ const _: () = assert!(!runs(Algorithm::OneStage, BarrierKind::Mid));
 /// test folds away). Returns false if the caller must leave the kernel.
 ///
 /// # Safety
-/// As for [`block_barrier`], with `a.signals` as `signals`.
+/// As for [`block_barrier`].
 #[inline(always)]
 unsafe fn barrier_site<const N: usize, const TWO_STAGE: bool>(
     a: &LaunchArgs,
@@ -187,7 +199,7 @@ unsafe fn barrier_site<const N: usize, const TWO_STAGE: bool>(
         return true;
     }
     // SAFETY: forwarded caller contract.
-    unsafe { block_barrier::<N>(&a.signals, own_sig, rank, block, kind, epoch, a.timeout_ns) }
+    unsafe { block_barrier::<N>(a, own_sig, rank, block, kind, epoch) }
 }
 
 /// Reads element `idx` (bits in the low bits) of a buffer of `E`.
@@ -413,7 +425,18 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     if nblocks as usize > MAX_BLOCKS || (nthreads as usize) < N {
         if tid == 0 {
             // SAFETY: `own_sig` is this rank's own signal (contract).
-            unsafe { record_error(own_sig, error_code::BAD_LAUNCH, rank, block, 0, 0, 0) };
+            unsafe {
+                record_error(
+                    own_sig,
+                    a.host_error,
+                    error_code::BAD_LAUNCH,
+                    rank,
+                    block,
+                    0,
+                    0,
+                    0,
+                )
+            };
         }
         return;
     }
@@ -434,7 +457,18 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     if missing {
         if tid == 0 {
             // SAFETY: `own_sig` is this rank's own signal (contract).
-            unsafe { record_error(own_sig, error_code::UNREGISTERED, rank, block, 0, 0, 0) };
+            unsafe {
+                record_error(
+                    own_sig,
+                    a.host_error,
+                    error_code::UNREGISTERED,
+                    rank,
+                    block,
+                    0,
+                    0,
+                    0,
+                )
+            };
         }
         return;
     }

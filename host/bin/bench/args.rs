@@ -1,0 +1,93 @@
+//! The arguments of `p2p-allreduce bench`, named after nccl-tests'
+//! `all_reduce_perf` options where it has them.
+
+use crate::{parse_algo_arg, parse_dtype_arg, parse_size, parse_world_arg};
+use p2p_allreduce::abi::Dtype;
+use p2p_allreduce::AlgoChoice;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct BenchArgs {
+    /// Smallest message in bytes (4096, 4K, 1M, ...).
+    #[arg(short = 'b', long = "minbytes", default_value = "4K", value_parser = parse_size)]
+    pub minbytes: usize,
+    /// Largest message in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = parse_size)]
+    pub maxbytes: usize,
+    /// Multiply the size by this factor from one row to the next.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    pub stepfactor: usize,
+    /// Element type: f32, f16 or bf16.
+    #[arg(short = 'd', long = "datatype", default_value = "bf16", value_parser = parse_dtype_arg)]
+    pub datatype: Dtype,
+    /// Timed graph replays per row (the median is reported).
+    #[arg(short = 'n', long = "iters", default_value_t = 25)]
+    pub iters: usize,
+    /// Untimed graph replays before timing.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 3)]
+    pub warmup_iters: usize,
+    /// Allreduces captured back to back in each graph replay.
+    #[arg(long, default_value_t = 20)]
+    pub per_graph: usize,
+    /// World sizes of virtual ranks on one GPU, e.g. `2,4,8`; with `--gpus`
+    /// (several) or `--procs` the world is the number of GPUs listed.
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_value = "8", value_parser = parse_world_arg)]
+    pub world: Vec<usize>,
+    /// Algorithms; `auto` reports the one it picked (e.g. auto->one_stage).
+    #[arg(long, value_delimiter = ',', default_value = "one_stage,two_stage,auto", value_parser = parse_algo_arg)]
+    pub algo: Vec<AlgoChoice>,
+    /// Write the rows as a JSON array to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Plot latency vs size (log-log, one line per algorithm x world) to this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// GPU to run virtual ranks on.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Real ranks, one per listed GPU, e.g. `0,1`: one process drives them
+    /// all (a PeerGroup), or with `--procs` one process per GPU.
+    #[arg(long, value_delimiter = ',')]
+    pub gpus: Vec<usize>,
+    /// One process per GPU (those of `--gpus`, else every GPU): a
+    /// ProcessGroup over CUDA IPC, graphs registered after capture.
+    #[arg(long)]
+    pub procs: bool,
+    /// Blocks per rank at most (1..=64); default: chosen by the link.
+    #[arg(long)]
+    pub max_blocks: Option<u32>,
+    /// Threads per block (a multiple of 32, 32..=1024).
+    #[arg(long, default_value_t = 512)]
+    pub threads: u32,
+    /// Leave out the NCCL rows on real ranks.
+    #[arg(long)]
+    pub no_nccl: bool,
+    /// Skip validating each row against the CPU reference (#wrong shows N/A).
+    #[arg(long)]
+    pub no_check: bool,
+}
+
+impl Default for BenchArgs {
+    fn default() -> Self {
+        BenchArgs {
+            minbytes: 4 << 10,
+            maxbytes: 64 << 20,
+            stepfactor: 2,
+            datatype: Dtype::Bf16,
+            iters: 25,
+            warmup_iters: 3,
+            per_graph: 20,
+            world: vec![8],
+            algo: vec![AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto],
+            json: None,
+            plot: None,
+            device: 0,
+            gpus: Vec::new(),
+            procs: false,
+            max_blocks: None,
+            threads: 512,
+            no_nccl: false,
+            no_check: false,
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! The settings of a group ([`Config`]) and of `Auto` ([`Thresholds`]),
+//! and the words a caller uses for them ([`AlgoChoice`], [`Link`]).
+
+use crate::abi::{Algorithm, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
+use std::time::Duration;
+
+/// What the caller asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AlgoChoice {
+    /// One-stage up to the threshold for this world size and link, two-stage above.
+    #[default]
+    Auto,
+    OneStage,
+    TwoStage,
+}
+
+impl From<Algorithm> for AlgoChoice {
+    fn from(a: Algorithm) -> Self {
+        match a {
+            Algorithm::OneStage => AlgoChoice::OneStage,
+            Algorithm::TwoStage => AlgoChoice::TwoStage,
+        }
+    }
+}
+
+/// How the ranks reach each other's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// Virtual ranks, or several ranks on one GPU.
+    SameDevice,
+    NvLink,
+    Pcie,
+}
+
+/// Where `Auto` switches from one-stage to two-stage: for each link and
+/// world size, the largest message (bytes) that still runs one-stage. Both
+/// algorithms give identical bits, so a threshold only moves speed, never
+/// results. Read and change it with [`Thresholds::one_stage_max`] and
+/// [`Thresholds::set_one_stage_max`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Thresholds {
+    same_device: [usize; MAX_RANKS + 1],
+    nvlink: [usize; MAX_RANKS + 1],
+    pcie: [usize; MAX_RANKS + 1],
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        const K: usize = 1024;
+        const M: usize = 1024 * 1024;
+        Thresholds {
+            // From the H200 virtual-rank bf16 sweep (docs/benchmarks.md): one-stage
+            // is faster up to 8 MiB for N=2, 1 MiB for N=4 and 256 KiB for N=8;
+            // odd world sizes interpolated.
+            same_device: [0, usize::MAX, 8 * M, 2 * M, M, M, 512 * K, 256 * K, 256 * K],
+            // World 2 from the 2 x H200 sweep (docs/benchmarks.md: one-stage
+            // ahead up to 8 MiB); larger worlds are starting points in the
+            // spirit of the published custom-allreduce tables.
+            nvlink: [
+                0,
+                usize::MAX,
+                8 * M,
+                M,
+                512 * K,
+                512 * K,
+                256 * K,
+                256 * K,
+                256 * K,
+            ],
+            // On PCIe every one-stage rank pulls (N-1)x the message over a shared bus.
+            pcie: [
+                0,
+                usize::MAX,
+                512 * K,
+                128 * K,
+                64 * K,
+                32 * K,
+                32 * K,
+                32 * K,
+                32 * K,
+            ],
+        }
+    }
+}
+
+impl Thresholds {
+    fn table(&self, link: Link) -> &[usize; MAX_RANKS + 1] {
+        match link {
+            Link::SameDevice => &self.same_device,
+            Link::NvLink => &self.nvlink,
+            Link::Pcie => &self.pcie,
+        }
+    }
+
+    /// The largest message (bytes) that `Auto` runs one-stage for `world`
+    /// ranks over `link` (world 1 and out-of-range worlds: `usize::MAX`).
+    pub fn one_stage_max(&self, link: Link, world: usize) -> usize {
+        match world {
+            2..=MAX_RANKS => self.table(link)[world],
+            _ => usize::MAX,
+        }
+    }
+
+    /// Sets where `Auto` switches for `world` ranks over `link`: messages
+    /// up to `bytes` run one-stage. `world` outside 2..=8 is ignored (world
+    /// 1 is a copy whatever the algorithm).
+    pub fn set_one_stage_max(&mut self, link: Link, world: usize, bytes: usize) {
+        if (2..=MAX_RANKS).contains(&world) {
+            let t = match link {
+                Link::SameDevice => &mut self.same_device,
+                Link::NvLink => &mut self.nvlink,
+                Link::Pcie => &mut self.pcie,
+            };
+            t[world] = bytes;
+        }
+    }
+
+    /// The algorithm for a message of `bytes` bytes: the explicit choice, or
+    /// under `Auto` one-stage up to [`Thresholds::one_stage_max`].
+    pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, link: Link) -> Algorithm {
+        match choice {
+            AlgoChoice::OneStage => Algorithm::OneStage,
+            AlgoChoice::TwoStage => Algorithm::TwoStage,
+            AlgoChoice::Auto => {
+                if bytes <= self.one_stage_max(link, world) {
+                    Algorithm::OneStage
+                } else {
+                    Algorithm::TwoStage
+                }
+            }
+        }
+    }
+}
+
+/// Automatic block cap for ranks that share one GPU (from the H200
+/// virtual-rank sweep, docs/benchmarks.md).
+pub const AUTO_BLOCKS_SAME_DEVICE: u32 = 16;
+/// Automatic block cap for ranks on distinct GPUs: large messages need many
+/// requests in flight to fill NVLink. On 2 x H200, 16 blocks reached 162
+/// GB/s bus bandwidth at 64 MiB, 32 and 64 blocks ~320 (docs/benchmarks.md).
+pub const AUTO_BLOCKS_CROSS_DEVICE: u32 = 64;
+
+/// Group settings.
+///
+/// Memory: every rank owns a staging and a scratch buffer of `max_bytes`
+/// each, plus an 8 KiB signal: the default (32 MiB) costs 64 MiB of device
+/// memory per rank. Groups for small messages only can use much less, e.g.
+/// [`Config::with_max_bytes`]`(1 << 20)`.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Capacity of each rank's staging and scratch buffers in bytes. Larger
+    /// staged messages are cut into chunks of this size (see `chunking`);
+    /// registered (zero-copy) two-stage allreduces need this much scratch.
+    pub max_bytes: usize,
+    /// How long a block waits for a peer before it writes an error record
+    /// and leaves the kernel. `Duration::ZERO` waits forever.
+    pub timeout: Duration,
+    /// Threads per block (a multiple of 32, at least 32).
+    pub threads_per_block: u32,
+    /// Blocks per rank at most (1..=[`MAX_BLOCKS`]). `None` (the default):
+    /// chosen by the link, see [`Config::blocks_cap`]. Fewer blocks mean
+    /// fewer flags to exchange (small messages); more blocks keep more
+    /// requests in flight over NVLink or PCIe (large messages).
+    pub max_blocks: Option<u32>,
+    /// Process messages larger than `max_bytes` in chunks; if false they
+    /// are refused with `Error::MessageTooLarge`.
+    pub chunking: bool,
+    pub thresholds: Thresholds,
+    /// With the `nccl` feature and NCCL enabled on a `PeerGroup`: messages
+    /// larger than this many bytes go to NCCL under `AlgoChoice::Auto`.
+    /// `None` (the default) never hands over: NCCL's results are not
+    /// bit-identical to the determinism contract.
+    pub nccl_above: Option<usize>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_bytes: 32 << 20,
+            timeout: Duration::from_secs(10),
+            threads_per_block: 512,
+            max_blocks: None,
+            chunking: true,
+            nccl_above: None,
+            thresholds: Thresholds::default(),
+        }
+    }
+}
+
+impl Config {
+    /// The default settings with buffers of `max_bytes` per rank.
+    pub fn with_max_bytes(max_bytes: usize) -> Self {
+        Config {
+            max_bytes,
+            ..Config::default()
+        }
+    }
+
+    /// The largest number of blocks per rank a collective over `link` may
+    /// use: `max_blocks` if set, else [`AUTO_BLOCKS_SAME_DEVICE`] for ranks
+    /// sharing a GPU (virtual ranks: every rank's blocks share its SMs) and
+    /// [`AUTO_BLOCKS_CROSS_DEVICE`] across devices. The kernels use fewer for
+    /// small messages ([`blocks_for`]); a launch is also refused when the
+    /// blocks could not all be resident at once.
+    pub fn blocks_cap(&self, link: Link) -> u32 {
+        self.max_blocks.unwrap_or(match link {
+            Link::SameDevice => AUTO_BLOCKS_SAME_DEVICE,
+            Link::NvLink | Link::Pcie => AUTO_BLOCKS_CROSS_DEVICE,
+        })
+    }
+
+    /// Checks the settings; the error says which one is out of range and
+    /// what to use. Groups call this when they are created.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.threads_per_block < 32
+            || self.threads_per_block > 1024
+            || self.threads_per_block % 32 != 0
+        {
+            return Err(format!(
+                "threads_per_block = {}: use a multiple of 32 in 32..=1024",
+                self.threads_per_block
+            ));
+        }
+        if let Some(b) = self.max_blocks {
+            if b == 0 || b as usize > MAX_BLOCKS {
+                return Err(format!(
+                    "max_blocks = Some({b}): use 1..={MAX_BLOCKS}, or None to choose by link"
+                ));
+            }
+        }
+        if self.max_bytes < PACK_BYTES * MAX_RANKS {
+            return Err(format!(
+                "max_bytes = {}: use at least {} bytes",
+                self.max_bytes,
+                PACK_BYTES * MAX_RANKS
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn timeout_ns(&self) -> u64 {
+        u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_switches_at_the_threshold() {
+        let t = Thresholds::default();
+        let th = t.one_stage_max(Link::SameDevice, 4);
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, th, 4, Link::SameDevice),
+            Algorithm::OneStage
+        );
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, th + 1, 4, Link::SameDevice),
+            Algorithm::TwoStage
+        );
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, usize::MAX, 1, Link::Pcie),
+            Algorithm::OneStage
+        );
+        assert_eq!(
+            t.choose(AlgoChoice::TwoStage, 16, 2, Link::Pcie),
+            Algorithm::TwoStage
+        );
+    }
+}
