@@ -49,7 +49,8 @@ enum Command {
     /// against the CPU reference. Exit 1 on any mismatch, 2 if nothing ran.
     Check(check::CheckArgs),
     /// Latency/bandwidth sweep over message sizes, like nccl-tests'
-    /// all_reduce_perf, on virtual ranks of one GPU.
+    /// all_reduce_perf, on virtual ranks of one GPU or on real ranks
+    /// (--gpus, --procs).
     Bench(bench::BenchArgs),
 }
 
