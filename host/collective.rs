@@ -41,11 +41,14 @@ pub(crate) struct RankBuffers {
 }
 
 impl RankBuffers {
-    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+    /// Staging and scratch of `config.max_bytes`; the signal followed by
+    /// the landing zone of push collectives in a group of `world` ranks
+    /// (one allocation, so one IPC handle maps both).
+    pub(crate) fn new(ctx: &Arc<CudaContext>, config: &Config, world: usize) -> Result<Self> {
         Ok(RankBuffers {
-            staging: DeviceAlloc::zeroed(ctx, bytes)?,
-            scratch: DeviceAlloc::zeroed(ctx, bytes)?,
-            signal: DeviceAlloc::zeroed(ctx, std::mem::size_of::<Signal>())?,
+            staging: DeviceAlloc::zeroed(ctx, config.max_bytes)?,
+            scratch: DeviceAlloc::zeroed(ctx, config.max_bytes)?,
+            signal: DeviceAlloc::zeroed(ctx, Signal::LANDING_OFFSET + config.landing_bytes(world))?,
         })
     }
 }

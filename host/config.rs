@@ -7,11 +7,15 @@ use std::time::Duration;
 /// What the caller asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AlgoChoice {
-    /// One-stage up to the threshold for this world size and link, two-stage above.
+    /// By the [`Thresholds`] for this world size and link: push for the
+    /// smallest messages, one-stage, then two-stage.
     #[default]
     Auto,
     OneStage,
     TwoStage,
+    /// Needs the message to fit `Config::push_max_bytes` (staged calls are
+    /// chunked to it).
+    Push,
 }
 
 impl From<Algorithm> for AlgoChoice {
@@ -19,6 +23,7 @@ impl From<Algorithm> for AlgoChoice {
         match a {
             Algorithm::OneStage => AlgoChoice::OneStage,
             Algorithm::TwoStage => AlgoChoice::TwoStage,
+            Algorithm::Push => AlgoChoice::Push,
         }
     }
 }
@@ -42,6 +47,8 @@ pub struct Thresholds {
     same_device: [usize; MAX_RANKS + 1],
     nvlink: [usize; MAX_RANKS + 1],
     pcie: [usize; MAX_RANKS + 1],
+    /// Largest message that `Auto` pushes, per link (all world sizes).
+    push: [usize; 3],
 }
 
 impl Default for Thresholds {
@@ -79,11 +86,36 @@ impl Default for Thresholds {
                 32 * K,
                 32 * K,
             ],
+            // Per link: same device never (on one GPU the system-scope
+            // release costs more than the reads it saves: 2.97 vs 2.53 us at
+            // 4 KiB, N=2); NVLink up to 64 KiB (2 x H200: 3.84 vs 4.09 us at
+            // 4 KiB, even at 128 KiB); PCIe not measured yet, so not by
+            // `Auto` (explicit `AlgoChoice::Push` works everywhere).
+            push: [0, 64 * K, 0],
         }
     }
 }
 
+fn link_index(link: Link) -> usize {
+    match link {
+        Link::SameDevice => 0,
+        Link::NvLink => 1,
+        Link::Pcie => 2,
+    }
+}
+
 impl Thresholds {
+    /// The largest message (bytes) that `Auto` runs as [`Algorithm::Push`]
+    /// over `link` (and only if it fits `Config::push_max_bytes`).
+    pub fn push_max(&self, link: Link) -> usize {
+        self.push[link_index(link)]
+    }
+
+    /// Sets where `Auto` stops pushing over `link`.
+    pub fn set_push_max(&mut self, link: Link, bytes: usize) {
+        self.push[link_index(link)] = bytes;
+    }
+
     fn table(&self, link: Link) -> &[usize; MAX_RANKS + 1] {
         match link {
             Link::SameDevice => &self.same_device,
@@ -121,8 +153,11 @@ impl Thresholds {
         match choice {
             AlgoChoice::OneStage => Algorithm::OneStage,
             AlgoChoice::TwoStage => Algorithm::TwoStage,
+            AlgoChoice::Push => Algorithm::Push,
             AlgoChoice::Auto => {
-                if bytes <= self.one_stage_max(link, world) {
+                if world > 1 && bytes <= self.push_max(link) {
+                    Algorithm::Push
+                } else if bytes <= self.one_stage_max(link, world) {
                     Algorithm::OneStage
                 } else {
                     Algorithm::TwoStage
@@ -166,6 +201,11 @@ pub struct Config {
     /// are refused with `Error::MessageTooLarge`.
     pub chunking: bool,
     pub thresholds: Thresholds,
+    /// Capacity (bytes per source) of each rank's landing zone for
+    /// [`Algorithm::Push`]: every rank holds `2 * world * push_max_bytes`
+    /// bytes of it. Larger messages are pushed in chunks (staged) or not
+    /// pushed (zero-copy; `Auto` picks another algorithm).
+    pub push_max_bytes: usize,
     /// With the `nccl` feature and NCCL enabled on a `PeerGroup`: messages
     /// larger than this many bytes go to NCCL under `AlgoChoice::Auto`.
     /// `None` (the default) never hands over: NCCL's results are not
@@ -181,6 +221,7 @@ impl Default for Config {
             threads_per_block: 512,
             max_blocks: None,
             chunking: true,
+            push_max_bytes: 256 << 10,
             nccl_above: None,
             thresholds: Thresholds::default(),
         }
@@ -188,6 +229,11 @@ impl Default for Config {
 }
 
 impl Config {
+    /// Bytes of each rank's landing zone in a group of `world` ranks.
+    pub(crate) fn landing_bytes(&self, world: usize) -> usize {
+        2 * world * self.push_max_bytes
+    }
+
     /// The default settings with buffers of `max_bytes` per rank.
     pub fn with_max_bytes(max_bytes: usize) -> Self {
         Config {
@@ -212,6 +258,12 @@ impl Config {
     /// Checks the settings; the error says which one is out of range and
     /// what to use. Groups call this when they are created.
     pub fn validate(&self) -> Result<(), String> {
+        if self.push_max_bytes < PACK_BYTES || self.push_max_bytes % PACK_BYTES != 0 {
+            return Err(format!(
+                "push_max_bytes = {}: use a positive multiple of {PACK_BYTES}",
+                self.push_max_bytes
+            ));
+        }
         if self.threads_per_block < 32
             || self.threads_per_block > 1024
             || self.threads_per_block % 32 != 0

@@ -144,6 +144,13 @@ pub enum Error {
     StreamSwitchInCapture,
 
     #[error(
+        "a push allreduce of {bytes} bytes over zero-copy inputs does not fit the landing zones \
+         ({capacity} bytes per source): use AlgoChoice::Auto or OneStage (same bits), or a group with \
+         Config::push_max_bytes >= {bytes}"
+    )]
+    PushTooLarge { bytes: usize, capacity: usize },
+
+    #[error(
         "ranks {a} and {b} were given the same stream: each rank needs its own stream (ranks that share a \
          GPU run concurrently and wait for each other at barriers)"
     )]

@@ -17,13 +17,16 @@ use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
 const MAGIC: u32 = 0x7032_7061; // "p2pa"
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 pub(crate) const HANDLE: usize = IPC_HANDLE_BYTES;
 /// Bytes of the PCI bus id field (`dddd:bb:dd.f`, NUL padded).
 const BUS_ID: usize = 16;
 /// magic, version, world, rank, pid, reserved (u32 each), max_bytes,
-/// timeout_ns, threads/blocks (u64 each), 3 IPC handles, the PCI bus id.
-const RECORD: usize = 6 * 4 + 3 * 8 + 3 * HANDLE + BUS_ID;
+/// timeout_ns, threads/blocks, push_max_bytes (u64 each), 3 IPC handles,
+/// the PCI bus id.
+const U64S: usize = 4;
+const HANDLES_AT: usize = 6 * 4 + U64S * 8;
+const RECORD: usize = HANDLES_AT + 3 * HANDLE + BUS_ID;
 
 struct Record {
     world: u32,
@@ -33,6 +36,7 @@ struct Record {
     max_bytes: u64,
     timeout_ns: u64,
     launch: u64,
+    push_max: u64,
     handles: [[u8; HANDLE]; 3],
 }
 
@@ -42,7 +46,7 @@ impl Record {
         for x in [MAGIC, VERSION, self.world, self.rank, self.pid, 0] {
             v.extend_from_slice(&x.to_le_bytes());
         }
-        for x in [self.max_bytes, self.timeout_ns, self.launch] {
+        for x in [self.max_bytes, self.timeout_ns, self.launch, self.push_max] {
             v.extend_from_slice(&x.to_le_bytes());
         }
         for h in &self.handles {
@@ -72,9 +76,9 @@ impl Record {
         }
         let mut handles = [[0u8; HANDLE]; 3];
         for (k, h) in handles.iter_mut().enumerate() {
-            h.copy_from_slice(&b[48 + k * HANDLE..48 + (k + 1) * HANDLE]);
+            h.copy_from_slice(&b[HANDLES_AT + k * HANDLE..HANDLES_AT + (k + 1) * HANDLE]);
         }
-        let bus = &b[48 + 3 * HANDLE..];
+        let bus = &b[HANDLES_AT + 3 * HANDLE..];
         let bus =
             String::from_utf8_lossy(&bus[..bus.iter().position(|&c| c == 0).unwrap_or(BUS_ID)])
                 .into_owned();
@@ -86,6 +90,7 @@ impl Record {
             max_bytes: u64_at(0),
             timeout_ns: u64_at(1),
             launch: u64_at(2),
+            push_max: u64_at(3),
             handles,
         })
     }
@@ -138,6 +143,7 @@ pub(crate) fn rendezvous(
         max_bytes: config.max_bytes as u64,
         timeout_ns: config.timeout_ns(),
         launch: (config.threads_per_block as u64) << 32 | config.max_blocks.unwrap_or(0) as u64,
+        push_max: config.push_max_bytes as u64,
         handles: [
             driver::ipc_export(ctx, own.staging.ptr())?,
             driver::ipc_export(ctx, own.scratch.ptr())?,
@@ -168,11 +174,11 @@ pub(crate) fn rendezvous(
                 rec.rank, rec.world
             )));
         }
-        if (rec.max_bytes, rec.timeout_ns, rec.launch)
-            != (mine.max_bytes, mine.timeout_ns, mine.launch)
+        if (rec.max_bytes, rec.timeout_ns, rec.launch, rec.push_max)
+            != (mine.max_bytes, mine.timeout_ns, mine.launch, mine.push_max)
         {
             return Err(mismatch(
-                "Config (max_bytes, timeout, threads_per_block, max_blocks) differs".into(),
+                "Config (max_bytes, timeout, threads_per_block, max_blocks, push_max_bytes) differs".into(),
             ));
         }
         if p == rank {

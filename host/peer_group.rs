@@ -90,7 +90,7 @@ impl PeerGroup {
             let k = Kernels::for_context(ctx)?;
             k.prepare(world, false, config.threads_per_block)?;
             kernels.push(k);
-            own.push((r, RankBuffers::new(ctx, config.max_bytes)?));
+            own.push((r, RankBuffers::new(ctx, &config, world)?));
         }
         let staging = by_rank(own.iter().map(|(_, b)| b.staging.ptr()));
         let signals = by_rank(own.iter().map(|(_, b)| b.signal.ptr()));

@@ -23,7 +23,7 @@ pub fn blocks_for(
 ) -> u32 {
     let packs = count.div_ceil(dtype.lanes()).max(1);
     let work = match algo {
-        Algorithm::OneStage => packs,
+        Algorithm::OneStage | Algorithm::Push => packs,
         Algorithm::TwoStage => packs.div_ceil(world.max(1)),
     };
     (work.div_ceil(threads as usize) as u32).clamp(1, max_blocks)
@@ -91,6 +91,18 @@ impl Plan {
             config
                 .thresholds
                 .choose(request.choice, bytes, request.world, request.link);
+        let elems_in = |cap: usize| ((cap / PACK_BYTES) * request.dtype.lanes()).max(1);
+        if algorithm == Algorithm::Push
+            && request.choice == AlgoChoice::Auto
+            && bytes > config.push_max_bytes
+        {
+            // Auto never pushes what does not fit the landing zones.
+            algorithm = if bytes <= config.thresholds.one_stage_max(request.link, request.world) {
+                Algorithm::OneStage
+            } else {
+                Algorithm::TwoStage
+            };
+        }
         let chunk = match request.inputs {
             Inputs::Staged => {
                 if bytes > config.max_bytes && !config.chunking {
@@ -99,9 +111,26 @@ impl Plan {
                         capacity: config.max_bytes,
                     });
                 }
-                ((config.max_bytes / PACK_BYTES) * request.dtype.lanes()).max(1)
+                let cap = if algorithm == Algorithm::Push {
+                    config.max_bytes.min(config.push_max_bytes)
+                } else {
+                    config.max_bytes
+                };
+                if bytes > cap && !config.chunking {
+                    return Err(Error::MessageTooLarge {
+                        bytes,
+                        capacity: cap,
+                    });
+                }
+                elems_in(cap)
             }
             Inputs::ZeroCopy => {
+                if algorithm == Algorithm::Push && bytes > config.push_max_bytes {
+                    return Err(Error::PushTooLarge {
+                        bytes,
+                        capacity: config.push_max_bytes,
+                    });
+                }
                 if algorithm == Algorithm::TwoStage && bytes > config.max_bytes {
                     if request.choice == AlgoChoice::TwoStage {
                         return Err(Error::ScratchTooSmall {
@@ -237,12 +266,47 @@ mod tests {
         ));
         let mut t = Thresholds::default();
         t.set_one_stage_max(Link::NvLink, 2, 0);
+        t.set_push_max(Link::NvLink, 0);
         let c = Config { thresholds: t, ..c };
         let p = Plan::new(&c, request(1000, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
         assert_eq!(
             p.algorithm,
             Algorithm::OneStage,
             "Auto falls back where scratch is short"
+        );
+    }
+
+    #[test]
+    fn push_plans_fit_the_landing_zones() {
+        let c = Config {
+            push_max_bytes: 1024,
+            ..Config::default()
+        };
+        // Auto pushes small messages over NVLink, not what would not fit.
+        let p = Plan::new(&c, request(256, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
+        assert_eq!(p.algorithm, Algorithm::Push);
+        let p = Plan::new(&c, request(257, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
+        assert_eq!(p.algorithm, Algorithm::OneStage);
+        // An explicit push: refused zero-copy, chunked to the zone staged.
+        assert!(matches!(
+            Plan::new(&c, request(300, Inputs::ZeroCopy, AlgoChoice::Push)),
+            Err(Error::PushTooLarge {
+                bytes: 1200,
+                capacity: 1024
+            })
+        ));
+        let p = Plan::new(&c, request(300, Inputs::Staged, AlgoChoice::Push)).expect("plan");
+        let steps: Vec<(usize, usize)> = p.steps().map(|s| (s.offset, s.len)).collect();
+        assert_eq!(steps, vec![(0, 256), (256, 44)]);
+        assert!(p.steps().all(|s| s.entry.algorithm == Algorithm::Push));
+        // Never on one device, by default.
+        let same = Request {
+            link: Link::SameDevice,
+            ..request(16, Inputs::ZeroCopy, AlgoChoice::Auto)
+        };
+        assert_eq!(
+            Plan::new(&c, same).expect("plan").algorithm,
+            Algorithm::OneStage
         );
     }
 

@@ -91,7 +91,7 @@ impl ProcessGroup {
         config.validate().map_err(Error::Config)?;
         let kernels = Kernels::for_context(ctx)?;
         kernels.prepare(world, false, config.threads_per_block)?;
-        let own = RankBuffers::new(ctx, config.max_bytes)?;
+        let own = RankBuffers::new(ctx, &config, world)?;
         let rv = ipc::rendezvous(ctx, exchange, &config, &own)?;
         let mut staging = [0u64; MAX_RANKS];
         staging[rank] = own.staging.ptr();
@@ -236,6 +236,7 @@ impl ProcessGroup {
             AlgoChoice::Auto => 0u8,
             AlgoChoice::OneStage => 1,
             AlgoChoice::TwoStage => 2,
+            AlgoChoice::Push => 3,
         };
         let mut mine = vec![T::DTYPE as u32 as u8, code(algo)];
         mine.extend_from_slice(&(input.len() as u64).to_le_bytes());

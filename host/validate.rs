@@ -99,15 +99,17 @@ pub fn algo_name(a: AlgoChoice) -> &'static str {
         AlgoChoice::Auto => "auto",
         AlgoChoice::OneStage => "one_stage",
         AlgoChoice::TwoStage => "two_stage",
+        AlgoChoice::Push => "push",
     }
 }
 
-/// Parses `one_stage`, `two_stage` or `auto` (also `1`, `2`, `one`, `two`).
+/// Parses `one_stage`, `two_stage`, `push` or `auto` (also `1`, `2`, `one`, `two`).
 pub fn parse_algo(s: &str) -> Option<AlgoChoice> {
     match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
         "auto" => Some(AlgoChoice::Auto),
         "one_stage" | "one" | "1" | "onestage" => Some(AlgoChoice::OneStage),
         "two_stage" | "two" | "2" | "twostage" => Some(AlgoChoice::TwoStage),
+        "push" => Some(AlgoChoice::Push),
         _ => None,
     }
 }
@@ -375,7 +377,12 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for a in [AlgoChoice::Auto, AlgoChoice::OneStage, AlgoChoice::TwoStage] {
+        for a in [
+            AlgoChoice::Auto,
+            AlgoChoice::OneStage,
+            AlgoChoice::TwoStage,
+            AlgoChoice::Push,
+        ] {
             assert_eq!(parse_algo(algo_name(a)), Some(a));
         }
         for d in Dtype::ALL {

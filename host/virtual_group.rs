@@ -54,7 +54,7 @@ impl VirtualGroup {
         let kernels = Kernels::for_context(ctx)?;
         kernels.prepare(world, true, config.threads_per_block)?;
         let own = (0..world)
-            .map(|r| Ok((r, RankBuffers::new(ctx, config.max_bytes)?)))
+            .map(|r| Ok((r, RankBuffers::new(ctx, &config, world)?)))
             .collect::<Result<Vec<_>>>()?;
         let staging = by_rank(own.iter().map(|(_, b)| b.staging.ptr()));
         let signals = by_rank(own.iter().map(|(_, b)| b.signal.ptr()));

@@ -274,9 +274,11 @@ fn model<E: Element>(
     let fresh = || vec![0xa5u8; bytes];
     let mut outputs = Vec::with_capacity(n);
     match algo {
-        Algorithm::OneStage => {
+        Algorithm::OneStage | Algorithm::Push => {
             // Every rank runs the same arithmetic on the same inputs, the
-            // rank enters nowhere: compute rank 0's output once.
+            // rank enters nowhere: compute rank 0's output once. (Push
+            // moves the inputs into landing zones first; the values and the
+            // per-pack reduction are one-stage's.)
             let mut out = fresh();
             for g in 0..stride {
                 let mut i = g;

@@ -257,6 +257,8 @@ fn group(g: &Gpu, world: usize) -> VirtualGroup {
         world,
         Config {
             max_bytes: 8 << 20,
+            // Registered cases push up to the longest property case.
+            push_max_bytes: 8 << 20,
             ..Config::default()
         },
     )
@@ -1124,14 +1126,23 @@ fn peer_case<T: Bits>(
     let mut outs: Vec<CudaSlice<T>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
     // Registered calls are not chunked: a two-stage larger than the scratch
     // is refused (Auto would run one-stage), so it runs one-stage here.
-    let fits = len * dtype.size() <= grp.config().max_bytes;
-    let algo = if fits { algo } else { Algorithm::OneStage };
+    let bytes = len * dtype.size();
+    let fits = match algo {
+        Algorithm::TwoStage => bytes <= grp.config().max_bytes,
+        Algorithm::Push => bytes <= grp.config().push_max_bytes,
+        Algorithm::OneStage => true,
+    };
     if !fits {
-        assert!(matches!(
-            grp.allreduce_registered(streams, &reg, len, &mut outs, AlgoChoice::TwoStage),
-            Err(Error::ScratchTooSmall { .. })
-        ));
+        let r = grp.allreduce_registered(streams, &reg, len, &mut outs, algo.into());
+        assert!(
+            matches!(
+                r,
+                Err(Error::ScratchTooSmall { .. }) | Err(Error::PushTooLarge { .. })
+            ),
+            "{what}: expected a refusal, got {r:?}"
+        );
     }
+    let algo = if fits { algo } else { Algorithm::OneStage };
     let used = grp
         .allreduce_registered(streams, &reg, len, &mut outs, algo.into())
         .unwrap_or_else(|e| panic!("{what} registered: {e}"));
@@ -1175,6 +1186,7 @@ fn peer_group_graphs(g: &Gpu) {
         &place,
         Config {
             max_bytes: 4 << 20,
+            push_max_bytes: 1 << 20,
             ..Config::default()
         },
     );
@@ -1184,6 +1196,7 @@ fn peer_group_graphs(g: &Gpu) {
     let mut staged_in: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
     let mut out_reg: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
     let mut out_staged: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+    let mut out_push: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
     for s in &streams {
         s.synchronize().expect("sync");
     }
@@ -1196,7 +1209,10 @@ fn peer_group_graphs(g: &Gpu) {
     let in_refs: Vec<&CudaSlice<f32>> = staged_in.iter().collect();
     let captured = grp
         .allreduce_registered(&streams, &reg, len, &mut out_reg, AlgoChoice::OneStage)
-        .and_then(|_| grp.allreduce(&streams, &in_refs, &mut out_staged, AlgoChoice::TwoStage));
+        .and_then(|_| grp.allreduce(&streams, &in_refs, &mut out_staged, AlgoChoice::TwoStage))
+        .and_then(|_| {
+            grp.allreduce_registered(&streams, &reg, len, &mut out_push, AlgoChoice::Push)
+        });
     let graphs: Vec<_> = streams
         .iter()
         .map(|s| {
@@ -1222,6 +1238,8 @@ fn peer_group_graphs(g: &Gpu) {
                 .expect("poison");
             s.memcpy_htod(&vec![poison::<f32>(); len], &mut out_staged[r])
                 .expect("poison");
+            s.memcpy_htod(&vec![poison::<f32>(); len], &mut out_push[r])
+                .expect("poison");
             s.synchronize().expect("sync");
         }
         for gr in &graphs {
@@ -1229,7 +1247,11 @@ fn peer_group_graphs(g: &Gpu) {
         }
         grp.check(&streams)
             .unwrap_or_else(|e| panic!("replay {it}: {e}"));
-        for (name, outs) in [("registered", &out_reg), ("staged", &out_staged)] {
+        for (name, outs) in [
+            ("registered", &out_reg),
+            ("staged", &out_staged),
+            ("push", &out_push),
+        ] {
             let got: Vec<Vec<u32>> = outs
                 .iter()
                 .zip(&streams)
@@ -1244,7 +1266,7 @@ fn peer_group_graphs(g: &Gpu) {
         }
     }
     println!(
-        "  PeerGroup on GPUs {place:?} ({:?}): graphs of a registered one-stage and a staged two-stage allreduce, 50 replays with new data, bit-exact",
+        "  PeerGroup on GPUs {place:?} ({:?}): graphs of a registered one-stage, a staged two-stage and a registered push allreduce, 50 replays with new data, bit-exact",
         grp.link()
     );
 }

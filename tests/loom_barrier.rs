@@ -1,26 +1,48 @@
 //! A loom model of the kernels' barrier protocol, run with the very code the
-//! kernels use (`device::barrier::{arrive_ordered, wait_ordered, next_epoch}`
-//! and the `FlagWord` / `Clock` traits), on loom atomics instead of GPU
-//! memory.
+//! kernels use (`device::barrier::{arrive_ordered, wait_ordered, next_epoch}`,
+//! whose waits accept any epoch at or past the awaited one
+//! (`device::barrier::reached`), and the `FlagWord` / `Clock` traits), on
+//! loom atomics instead of GPU memory.
 //!
 //! # What is modelled
 //!
 //! Each rank is one loom thread running a sequence of "stream operations":
 //! per collective, a copy of the rank's new input into its buffer, then one
-//! kernel: start barrier, reads of every rank's input, [two-stage: own
-//! partition into scratch, mid barrier, peers' partitions from their
-//! scratch], and the end barrier where the kernel has one. Which barriers
-//! run and with which order is read from the protocol table the kernels
-//! use (`device::barrier::{barriers, order}`, [`Protocol::kernels`]): today
-//! Start and End relaxed (`Order::ArrivalOnly`), Mid release/acquire
-//! (`Order::Publish`), no End in two-stage. The must-fail variants below
-//! change that table's protocol explicitly.
+//! kernel of the algorithm ([`Protocol::algo`]):
+//! - one-stage: start barrier, reads of every rank's input, end barrier;
+//! - two-stage: start barrier, reads of every rank's input for its own
+//!   partition, written into its scratch, mid barrier, peers' partitions
+//!   from their scratch;
+//! - push: its input into its part of every peer's landing zone, slot
+//!   `epoch % 2` as in the kernels (`allreduce_push`), start barrier, then
+//!   the sum, in rank order, of its own input and the peers' parts of its
+//!   own landing zone.
+//!
+//! Which barriers run and with which order is read from the protocol table
+//! the kernels use (`device::barrier::{barriers, order}`,
+//! [`Protocol::kernels`]): today Start relaxed (`Order::ArrivalOnly`) in
+//! the pull algorithms and release/acquire (`Order::Publish`) in push, End
+//! relaxed, Mid release/acquire, no End in two-stage nor in push. The
+//! must-fail variants below change that table's protocol explicitly.
+//!
+//! Every value a rank reads (input, scratch, landing zone) and every
+//! collective's result is checked. Consecutive collectives of a rank are
+//! consecutive stream operations on its thread, so the kernels' argument
+//! for reusing landing slot `e % 2` at `e + 2` (a peer starts kernel
+//! `e + 1`, and arrives at its Start, only after its kernel `e`, with every
+//! read of that slot, completed) is in the model as program order plus
+//! `Hw::stream_order`; push's release/acquire Start alone already orders
+//! those reads before the reuse.
 //!
 //! A block's "thread p exchanges flags with peer p" is folded into one
 //! thread that first arrives at every peer and then waits for every peer,
 //! which is what the `bar.sync` around the exchange makes of it (no arrival
 //! ever waits on a wait). The model has one block: other blocks use other
-//! flag words and do not interact through the protocol.
+//! flag words (and parts of the landing zones) and do not interact through
+//! the protocol. Folding a block into one thread also assumes that every
+//! write of the block before an arrival is ordered before it by a
+//! `bar.sync`: for push's Start, the landing-zone writes of every thread
+//! before the arrivals of threads `0..N`.
 //!
 //! Buffers are `loom::cell::UnsafeCell`s, so loom reports any read not
 //! ordered (happens-before) with a write of the same buffer; on top of
@@ -104,21 +126,29 @@ struct ErrorSlot {
 }
 
 /// One rank's memory that peers can reach: a signal (one flag slot per
-/// peer for each barrier kind), its input and its scratch.
+/// peer for each barrier kind), its input, its scratch, and (push) the
+/// landing zone after the signal.
 struct RankMem {
+    world: usize,
+    len: usize,
     start: Vec<Flag>,
     mid: Vec<Flag>,
     end: Vec<Flag>,
     error: ErrorSlot,
     input: Vec<UnsafeCell<u32>>,
     scratch: Vec<UnsafeCell<u32>>,
+    /// `[slot 0..2][source 0..world][element 0..len]`, as in the kernels
+    /// (`abi::Signal::LANDING_OFFSET`), element-wise instead of in packs.
+    landing: Vec<UnsafeCell<u32>>,
 }
 
 impl RankMem {
     fn new(world: usize, len: usize) -> Self {
         let flags = || (0..world).map(|_| Flag(AtomicU32::new(0))).collect();
-        let cells = || (0..len).map(|_| UnsafeCell::new(0)).collect();
+        let cells = |n| (0..n).map(|_| UnsafeCell::new(0)).collect();
         RankMem {
+            world,
+            len,
             start: flags(),
             mid: flags(),
             end: flags(),
@@ -126,9 +156,15 @@ impl RankMem {
                 code: AtomicU32::new(error_code::NONE),
                 record: UnsafeCell::new(ErrorRecord::default()),
             },
-            input: cells(),
-            scratch: cells(),
+            input: cells(len),
+            scratch: cells(len),
+            // Not `cells`: loom then names this line for a race here.
+            landing: (0..2 * world * len).map(|_| UnsafeCell::new(0)).collect(),
         }
+    }
+    /// Element `i` of source `src`'s part of landing slot `slot`.
+    fn landing(&self, slot: usize, src: usize, i: usize) -> &UnsafeCell<u32> {
+        &self.landing[(slot * self.world + src) * self.len + i]
     }
     /// The slot that peer `from` writes in this signal.
     fn slot(&self, kind: BarrierKind, from: usize) -> &Flag {
@@ -170,7 +206,7 @@ struct Protocol {
     /// Elements per message (two-stage: split into `world` partitions).
     len: usize,
     collectives: u32,
-    two_stage: bool,
+    algo: Algorithm,
     /// `None` removes the barrier (each of the three).
     start: Option<Order>,
     /// Two-stage only: one-stage has no place for it.
@@ -191,14 +227,51 @@ struct Protocol {
     /// input copy. Under loom a yield hands the processor to the other
     /// ranks, so this is how a slow peer is modelled.
     late: Option<(usize, u32)>,
+    /// Push only: landing-zone slots a rank cycles through, by epoch
+    /// (`epoch % landing_slots`). The kernels use two (`epoch & 1`); one is
+    /// a must-fail variant.
+    landing_slots: u32,
+    /// How a wait decides that a peer arrived.
+    wait: WaitRule,
 }
 
-/// The algorithm a model runs.
-const fn algorithm(two_stage: bool) -> Algorithm {
-    if two_stage {
-        Algorithm::TwoStage
-    } else {
-        Algorithm::OneStage
+/// The arrival test of a wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WaitRule {
+    /// The kernels' [`wait_ordered`] as it is: any epoch at or past the
+    /// awaited one (`device::barrier::reached`).
+    Reached,
+    /// A must-fail variant: only the awaited epoch itself counts. Still
+    /// the kernels' [`wait_ordered`], on a flag seen through [`Exactly`].
+    Equality,
+}
+
+/// A flag as an equality wait sees it: any value other than the awaited
+/// epoch reads as 0 (never written), so `reached` holds exactly when the
+/// flag holds `epoch`. This turns the kernels' own wait loop into an
+/// equality wait without copying it.
+struct Exactly<'a> {
+    flag: &'a Flag,
+    epoch: u32,
+}
+
+impl FlagWord for Exactly<'_> {
+    fn load_acquire(&self) -> u32 {
+        self.flag.load_acquire()
+    }
+    fn store_release(&self, value: u32) {
+        self.flag.store_release(value)
+    }
+    fn load_relaxed(&self) -> u32 {
+        let v = self.flag.load_relaxed();
+        if v == self.epoch {
+            v
+        } else {
+            0
+        }
+    }
+    fn store_relaxed(&self, value: u32) {
+        self.flag.store_relaxed(value)
     }
 }
 
@@ -206,7 +279,7 @@ const fn algorithm(two_stage: bool) -> Algorithm {
 /// or `None` where the kernels run no such barrier.
 const fn table_order(algo: Algorithm, kind: BarrierKind) -> Option<Order> {
     if runs(algo, kind) {
-        Some(order(kind))
+        Some(order(algo, kind))
     } else {
         None
     }
@@ -216,13 +289,12 @@ impl Protocol {
     /// The protocol of the kernels, from the table they use
     /// (`device::barrier::{barriers, order}`), under its hardware
     /// assumptions.
-    const fn kernels(world: usize, len: usize, collectives: u32, two_stage: bool) -> Self {
-        let algo = algorithm(two_stage);
+    const fn kernels(world: usize, len: usize, collectives: u32, algo: Algorithm) -> Self {
         Protocol {
             world,
             len,
             collectives,
-            two_stage,
+            algo,
             start: table_order(algo, BarrierKind::Start),
             mid: table_order(algo, BarrierKind::Mid),
             end: table_order(algo, BarrierKind::End),
@@ -231,22 +303,24 @@ impl Protocol {
             epoch_before: 0,
             dies: None,
             late: None,
+            landing_slots: 2,
+            wait: WaitRule::Reached,
         }
     }
 
     /// The brief's protocol: release/acquire everywhere, an end barrier in
     /// both algorithms, nothing assumed of the hardware.
-    const fn release_acquire(world: usize, len: usize, collectives: u32, two_stage: bool) -> Self {
+    const fn release_acquire(world: usize, len: usize, collectives: u32, algo: Algorithm) -> Self {
         Protocol {
             start: Some(Order::Publish),
-            mid: if two_stage {
+            mid: if matches!(algo, Algorithm::TwoStage) {
                 Some(Order::Publish)
             } else {
                 None
             },
             end: Some(Order::Publish),
             hw: Hw::NONE,
-            ..Self::kernels(world, len, collectives, two_stage)
+            ..Self::kernels(world, len, collectives, algo)
         }
     }
 
@@ -367,13 +441,14 @@ impl<'a> Rank<'a> {
         for peer in (0..self.p.world).filter(|&p| p != self.me) {
             // Every peer is waited for, even after a timeout, as the
             // kernel's threads wait side by side.
-            let w = wait_ordered(
-                own.slot(kind, peer),
-                epoch,
-                self.p.timeout_ns,
-                &mut self.clock,
-                order,
-            );
+            let flag = own.slot(kind, peer);
+            let (timeout, clock) = (self.p.timeout_ns, &mut self.clock);
+            let w = match self.p.wait {
+                WaitRule::Reached => wait_ordered(flag, epoch, timeout, clock, order),
+                WaitRule::Equality => {
+                    wait_ordered(&Exactly { flag, epoch }, epoch, timeout, clock, order)
+                }
+            };
             if w == Wait::TimedOut {
                 record_error(own, self.me, peer, epoch, kind);
                 failed = true;
@@ -416,32 +491,89 @@ impl<'a> Rank<'a> {
         acc
     }
 
+    /// The landing slot of the collective with `epoch` (push).
+    fn landing_slot(&self, epoch: u32) -> usize {
+        (epoch % self.p.landing_slots) as usize
+    }
+
+    /// Push, phase 1: this rank's input into its part of every peer's
+    /// landing zone (its own part is never written).
+    fn push_to_peers(&self, epoch: u32) {
+        let slot = self.landing_slot(epoch);
+        let own = &self.world[self.me];
+        for i in 0..self.p.len {
+            let v = Self::read(&own.input[i]);
+            for (peer, mem) in self.world.iter().enumerate() {
+                if peer != self.me {
+                    Self::write(mem.landing(slot, self.me, i), v);
+                }
+            }
+        }
+    }
+
+    /// Push, phase 2: element `i` of every source in rank order, its own
+    /// from its input and the others' from its landing zone, checking that
+    /// each holds collective `c`'s value, added.
+    fn reduce_landed(&self, c: u32, epoch: u32, i: usize) -> u32 {
+        let slot = self.landing_slot(epoch);
+        let own = &self.world[self.me];
+        let mut acc = 0u32;
+        for src in 0..self.p.world {
+            let v = if src == self.me {
+                Self::read(&own.input[i])
+            } else {
+                Self::read(own.landing(slot, src, i))
+            };
+            assert_eq!(
+                v,
+                input_value(c, src, i),
+                "rank {} collective {c}: landing slot {slot} part {src} element {i} is stale: \
+                 read before rank {src} wrote it for this collective, or after it was \
+                 overwritten",
+                self.me
+            );
+            acc = acc.wrapping_add(v);
+        }
+        acc
+    }
+
     /// One kernel: the collective `c` with this rank's input in place.
     fn kernel(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
         let (n, len) = (self.p.world, self.p.len);
+        if self.p.algo == Algorithm::Push {
+            self.push_to_peers(epoch);
+        }
         self.barrier(c, BarrierKind::Start, epoch)?;
-        if !self.p.two_stage {
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = self.reduce(c, i);
+        match self.p.algo {
+            Algorithm::Push => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = self.reduce_landed(c, epoch, i);
+                }
             }
-        } else {
-            let (s, e) = partition(len as u64, n as u32, self.me as u32);
-            for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
-                *o = self.reduce(c, i);
-                Self::write(&self.world[self.me].scratch[i], *o);
+            Algorithm::OneStage => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = self.reduce(c, i);
+                }
             }
-            self.barrier(c, BarrierKind::Mid, epoch)?;
-            for k in 1..n {
-                let owner = (self.me + k) % n;
-                let (s, e) = partition(len as u64, n as u32, owner as u32);
+            Algorithm::TwoStage => {
+                let (s, e) = partition(len as u64, n as u32, self.me as u32);
                 for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
-                    *o = Self::read(&self.world[owner].scratch[i]);
-                    assert_eq!(
-                        *o,
-                        expected_sum(c, n, i),
-                        "rank {} collective {c}: scratch {i} of rank {owner} is stale",
-                        self.me
-                    );
+                    *o = self.reduce(c, i);
+                    Self::write(&self.world[self.me].scratch[i], *o);
+                }
+                self.barrier(c, BarrierKind::Mid, epoch)?;
+                for k in 1..n {
+                    let owner = (self.me + k) % n;
+                    let (s, e) = partition(len as u64, n as u32, owner as u32);
+                    for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
+                        *o = Self::read(&self.world[owner].scratch[i]);
+                        assert_eq!(
+                            *o,
+                            expected_sum(c, n, i),
+                            "rank {} collective {c}: scratch {i} of rank {owner} is stale",
+                            self.me
+                        );
+                    }
                 }
             }
         }
@@ -560,34 +692,47 @@ fn model_completes(p: Protocol, preemptions: usize) {
 
 #[test]
 fn kernels_one_stage_two_ranks_two_collectives() {
-    model_completes(Protocol::kernels(2, 2, 2, false), 3);
+    model_completes(Protocol::kernels(2, 2, 2, Algorithm::OneStage), 3);
 }
 
 #[test]
 fn kernels_one_stage_three_ranks_two_collectives() {
-    model_completes(Protocol::kernels(3, 1, 2, false), 0);
+    model_completes(Protocol::kernels(3, 1, 2, Algorithm::OneStage), 0);
 }
 
 /// Two collectives, so that scratch is reused without an end barrier.
 #[test]
 fn kernels_two_stage_two_ranks_two_collectives() {
     // Three elements: partitions of unequal size (2 and 1).
-    model_completes(Protocol::kernels(2, 3, 2, true), 3);
+    model_completes(Protocol::kernels(2, 3, 2, Algorithm::TwoStage), 3);
 }
 
 #[test]
 fn kernels_two_stage_three_ranks_two_collectives() {
-    model_completes(Protocol::kernels(3, 3, 2, true), 0);
+    model_completes(Protocol::kernels(3, 3, 2, Algorithm::TwoStage), 0);
 }
 
 #[test]
 fn release_acquire_one_stage_two_ranks_two_collectives() {
-    model_completes(Protocol::release_acquire(2, 2, 2, false), 2);
+    model_completes(Protocol::release_acquire(2, 2, 2, Algorithm::OneStage), 2);
 }
 
 #[test]
 fn release_acquire_two_stage_two_ranks_two_collectives() {
-    model_completes(Protocol::release_acquire(2, 3, 2, true), 2);
+    model_completes(Protocol::release_acquire(2, 3, 2, Algorithm::TwoStage), 2);
+}
+
+/// Push: epochs 1, 2, 3 use landing slots 1, 0, 1, so the third collective
+/// rewrites the slot the first one was reduced from, and a rank may be one
+/// collective ahead of its peer (waits accept a later epoch).
+#[test]
+fn kernels_push_two_ranks_three_collectives() {
+    model_completes(Protocol::kernels(2, 2, 3, Algorithm::Push), 3);
+}
+
+#[test]
+fn kernels_push_three_ranks_three_collectives() {
+    model_completes(Protocol::kernels(3, 1, 3, Algorithm::Push), 0);
 }
 
 /// The model runs exactly the kernels' barriers: the sequence of the
@@ -597,29 +742,30 @@ fn release_acquire_two_stage_two_ranks_two_collectives() {
 #[test]
 fn model_runs_the_kernels_barrier_table() {
     for algo in Algorithm::ALL {
-        let p = Protocol::kernels(1, 3, 2, algo == Algorithm::TwoStage);
+        let p = Protocol::kernels(1, 3, 2, algo);
         builder(0).check(move || {
             let world = vec![RankMem::new(1, p.len)];
             let (outcome, ran) = Rank::new(&world, 0, p).run_recorded();
             check_all_done(&p, &[outcome]);
             let want: Vec<(BarrierKind, Order)> = (0..p.collectives)
-                .flat_map(|_| barriers(algo).iter().map(|&k| (k, order(k))))
+                .flat_map(|_| barriers(algo).iter().map(|&k| (k, order(algo, k))))
                 .collect();
             assert_eq!(ran, want, "{}", algo.name());
         });
     }
 }
 
-/// Epochs wrap from u32::MAX to 1 (never 0, the value of zeroed flags),
-/// and the protocol still matches arrivals across the wrap.
+/// Epochs wrap from u32::MAX to 2 (never 0, the value of zeroed flags;
+/// 2 keeps the parity alternating), and the protocol still matches
+/// arrivals across the wrap.
 #[test]
 fn epochs_wrap_past_zero() {
-    assert_eq!(next_epoch(u32::MAX), 1);
+    assert_eq!(next_epoch(u32::MAX), 2);
     assert_eq!(next_epoch(0), 1);
     assert_eq!(next_epoch(41), 42);
     let p = Protocol {
         epoch_before: u32::MAX - 1,
-        ..Protocol::kernels(2, 1, 3, false)
+        ..Protocol::kernels(2, 1, 3, Algorithm::OneStage)
     };
     model_completes(p, 2);
 }
@@ -654,7 +800,7 @@ fn dead_peer_at_start_times_out_with_record() {
     let p = Protocol {
         timeout_ns: TIMEOUT_NS,
         dies: Some((1, 0, BarrierKind::Start)),
-        ..Protocol::kernels(2, 1, 1, false)
+        ..Protocol::kernels(2, 1, 1, Algorithm::OneStage)
     };
     model_with_fault(p, 2, |o| {
         assert_eq!(o[1], Outcome::Died);
@@ -672,7 +818,7 @@ fn dead_peer_at_end_times_out_with_record() {
     let p = Protocol {
         timeout_ns: TIMEOUT_NS,
         dies: Some((1, 1, BarrierKind::End)),
-        ..Protocol::kernels(2, 1, 2, false)
+        ..Protocol::kernels(2, 1, 2, Algorithm::OneStage)
     };
     model_with_fault(p, 2, |o| {
         assert_eq!(o[1], Outcome::Died);
@@ -689,7 +835,7 @@ fn dead_peer_at_mid_times_out_with_record() {
     let p = Protocol {
         timeout_ns: TIMEOUT_NS,
         dies: Some((1, 0, BarrierKind::Mid)),
-        ..Protocol::kernels(2, 2, 1, true)
+        ..Protocol::kernels(2, 2, 1, Algorithm::TwoStage)
     };
     model_with_fault(p, 2, |o| {
         assert_eq!(o[1], Outcome::Died);
@@ -707,7 +853,7 @@ fn dead_peer_among_three_is_named_by_both_survivors() {
     let p = Protocol {
         timeout_ns: TIMEOUT_NS,
         dies: Some((2, 0, BarrierKind::Start)),
-        ..Protocol::kernels(3, 1, 1, false)
+        ..Protocol::kernels(3, 1, 1, Algorithm::OneStage)
     };
     model_with_fault(p, 1, |o| {
         assert_eq!(o[2], Outcome::Died);
@@ -724,7 +870,7 @@ fn dead_peer_among_three_is_named_by_both_survivors() {
 fn first_timeout_claims_the_record() {
     let p = Protocol {
         timeout_ns: TIMEOUT_NS,
-        ..Protocol::kernels(3, 1, 1, false)
+        ..Protocol::kernels(3, 1, 1, Algorithm::OneStage)
     };
     builder(0).check(move || {
         // Only rank 0 runs: ranks 1 and 2 never arrive.
@@ -749,7 +895,7 @@ fn late_peer_ends_in_consistent_timeouts() {
         timeout_ns: TIMEOUT_NS,
         // Rank 0 gives up after POLLS_PER_CLOCK_READ polls; be later.
         late: Some((1, 4 * POLLS_PER_CLOCK_READ)),
-        ..Protocol::kernels(2, 1, 1, false)
+        ..Protocol::kernels(2, 1, 1, Algorithm::OneStage)
     };
     model_with_fault(p, 2, |o| {
         assert_eq!(
@@ -775,7 +921,7 @@ fn barely_late_peer_ends_in_success_or_consistent_timeout() {
     let p = Protocol {
         timeout_ns: TIMEOUT_NS,
         late: Some((1, POLLS_PER_CLOCK_READ)),
-        ..Protocol::kernels(2, 1, 1, false)
+        ..Protocol::kernels(2, 1, 1, Algorithm::OneStage)
     };
     model_with_fault(p, 2, |o| {
         for (r, o) in o.iter().enumerate() {
@@ -837,7 +983,7 @@ fn assert_race(msg: &str) {
 fn one_stage_without_end_barrier_is_caught() {
     let p = Protocol {
         end: None,
-        ..Protocol::kernels(2, 1, 2, false)
+        ..Protocol::kernels(2, 1, 2, Algorithm::OneStage)
     };
     assert_race(&model_failure(p, 2));
 }
@@ -846,7 +992,7 @@ fn one_stage_without_end_barrier_is_caught() {
 fn one_stage_without_end_barrier_is_caught_with_three_ranks() {
     let p = Protocol {
         end: None,
-        ..Protocol::kernels(3, 1, 2, false)
+        ..Protocol::kernels(3, 1, 2, Algorithm::OneStage)
     };
     assert_race(&model_failure(p, 0));
 }
@@ -857,7 +1003,7 @@ fn one_stage_without_end_barrier_is_caught_with_three_ranks() {
 fn two_stage_without_mid_barrier_is_caught() {
     let p = Protocol {
         mid: None,
-        ..Protocol::kernels(2, 2, 1, true)
+        ..Protocol::kernels(2, 2, 1, Algorithm::TwoStage)
     };
     assert_race(&model_failure(p, 2));
 }
@@ -868,7 +1014,7 @@ fn two_stage_without_mid_barrier_is_caught() {
 fn two_stage_with_relaxed_mid_is_caught() {
     let p = Protocol {
         mid: Some(Order::ArrivalOnly),
-        ..Protocol::kernels(2, 2, 1, true)
+        ..Protocol::kernels(2, 2, 1, Algorithm::TwoStage)
     };
     assert_race(&model_failure(p, 2));
 }
@@ -883,7 +1029,7 @@ fn relaxed_start_needs_polls_to_gate_accesses() {
             polls_gate_accesses: false,
             ..Hw::ALL
         },
-        ..Protocol::kernels(2, 1, 1, false)
+        ..Protocol::kernels(2, 1, 1, Algorithm::OneStage)
     };
     assert_race(&model_failure(p, 1));
 }
@@ -896,7 +1042,7 @@ fn relaxed_end_needs_reads_done_before_arrival() {
             reads_done_before_end: false,
             ..Hw::ALL
         },
-        ..Protocol::kernels(2, 1, 2, false)
+        ..Protocol::kernels(2, 1, 2, Algorithm::OneStage)
     };
     assert_race(&model_failure(p, 2));
 }
@@ -917,7 +1063,103 @@ fn relaxed_start_needs_stream_order() {
             stream_order: false,
             ..Hw::ALL
         },
-        ..Protocol::kernels(2, 1, 1, false)
+        ..Protocol::kernels(2, 1, 1, Algorithm::OneStage)
     };
     assert_race(&model_failure(p, 1));
+}
+
+// ---------------------------------------------------------------------------
+// Push: each part of the protocol is needed.
+
+/// Push's Start must publish: the landing-zone writes are made in the same
+/// kernel just before the arrival, so no stream boundary orders them before
+/// a relaxed one, and a peer can reduce stale landing data.
+#[test]
+fn push_with_relaxed_start_is_caught() {
+    let p = Protocol {
+        start: Some(Order::ArrivalOnly),
+        ..Protocol::kernels(2, 1, 1, Algorithm::Push)
+    };
+    assert_race(&model_failure(p, 1));
+}
+
+#[test]
+fn push_with_relaxed_start_is_caught_with_three_ranks() {
+    let p = Protocol {
+        start: Some(Order::ArrivalOnly),
+        ..Protocol::kernels(3, 1, 1, Algorithm::Push)
+    };
+    assert_race(&model_failure(p, 0));
+}
+
+/// With one landing slot, a rank that passed the Start barrier of the next
+/// collective overwrites its part of a peer's zone while the peer still
+/// reduces the previous collective from it.
+#[test]
+fn push_with_one_landing_slot_is_caught() {
+    let p = Protocol {
+        landing_slots: 1,
+        ..Protocol::kernels(2, 1, 2, Algorithm::Push)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// A push peer can be one collective ahead: it saw this rank's arrival,
+/// finished, started the next collective and overwrote its flag with the
+/// next epoch before this rank's wait read it. A wait for equality misses
+/// the arrival and (each rank waiting for the other) both ranks hang; with
+/// a timeout, some execution ends in timeouts at Start. Every execution
+/// still ends, each rank done with the right sums or timed out at Start.
+#[test]
+fn push_with_equality_wait_hangs() {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    static TIMED_OUT: AtomicUsize = AtomicUsize::new(0);
+    let p = Protocol {
+        wait: WaitRule::Equality,
+        timeout_ns: TIMEOUT_NS,
+        ..Protocol::kernels(2, 1, 2, Algorithm::Push)
+    };
+    model_with_fault(p, 1, |o| {
+        for (r, o) in o.iter().enumerate() {
+            match o {
+                Outcome::Done(v) => assert_eq!(v, &vec![expected_sum(1, 2, 0)], "rank {r}"),
+                Outcome::Failed(rec) => {
+                    assert_eq!(rec.barrier, BarrierKind::Start as u32, "rank {r}: {rec:?}");
+                    assert_eq!(rec.peer, 1 - r as u32, "rank {r}: {rec:?}");
+                    TIMED_OUT.fetch_add(1, Relaxed);
+                }
+                Outcome::Died => panic!("rank {r} died but none was told to"),
+            }
+        }
+    });
+    assert!(
+        TIMED_OUT.load(Relaxed) > 0,
+        "no execution missed an arrival: the model cannot detect an equality wait"
+    );
+}
+
+/// The control for [`push_with_equality_wait_hangs`]: the same model with
+/// the kernels' wait (`reached`) never times out.
+#[test]
+fn push_with_timeout_never_times_out() {
+    let p = Protocol {
+        timeout_ns: TIMEOUT_NS,
+        ..Protocol::kernels(2, 1, 2, Algorithm::Push)
+    };
+    model_completes(p, 2);
+}
+
+/// At the epoch wrap the landing slot still alternates: the slot is the
+/// epoch's parity (`epoch & 1` in `allreduce_push`) and `next_epoch` goes
+/// from `u32::MAX` (odd) to 2 (even), so collectives on both sides of the
+/// wrap use different slots. (With a wrap to 1 both would use slot 1, as
+/// [`push_with_one_landing_slot_is_caught`] shows one slot fails.)
+#[test]
+fn push_landing_slot_alternates_at_epoch_wrap() {
+    assert_ne!(next_epoch(u32::MAX) % 2, u32::MAX % 2);
+    let p = Protocol {
+        epoch_before: u32::MAX - 1,
+        ..Protocol::kernels(2, 1, 2, Algorithm::Push)
+    };
+    model_completes(p, 2);
 }

@@ -111,6 +111,12 @@ impl Signal {
         (set * MAX_BLOCKS * MAX_RANKS + block * MAX_RANKS + from) * 4
     }
     pub const EPOCH_OFFSET: usize = 3 * MAX_BLOCKS * MAX_RANKS * 4;
+    /// Where a rank's landing zone starts in its signal allocation: right
+    /// after the [`Signal`]. Layout: `[slot 0..2][source 0..N][packs]`,
+    /// `packs = ceil(count / lanes)` 16-byte packs per source, slot = the
+    /// collective's epoch parity ([`crate::barrier::barriers`] says why two
+    /// slots suffice). The host sizes it (`2 * N * packs * 16` bytes at most).
+    pub const LANDING_OFFSET: usize = core::mem::size_of::<Signal>();
     pub const ERROR_OFFSET: usize = Self::EPOCH_OFFSET + MAX_BLOCKS * 4;
 }
 
@@ -205,21 +211,26 @@ impl Dtype {
     }
 }
 
-/// The two kernel algorithms.
+/// The kernel algorithms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// Every rank reads every input and reduces the whole message.
     OneStage,
     /// Reduce-scatter into scratch, then all-gather.
     TwoStage,
+    /// Every rank writes its input into every peer's landing zone (posted
+    /// writes), then reduces its own landing zone locally: one flag
+    /// exchange and no reads of peer memory (small messages).
+    Push,
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 2] = [Algorithm::OneStage, Algorithm::TwoStage];
+    pub const ALL: [Algorithm; 3] = [Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Push];
     pub const fn name(self) -> &'static str {
         match self {
             Algorithm::OneStage => "one_stage",
             Algorithm::TwoStage => "two_stage",
+            Algorithm::Push => "push",
         }
     }
 }

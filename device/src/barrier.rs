@@ -19,17 +19,24 @@
 //! relaxed barriers rely on are in docs/design.md; tests/loom_barrier.rs
 //! models them.
 //!
-//! Why equality is enough: a peer writes the next epoch into a slot of set
-//! K only after passing the next `Start` barrier (or, for `Start` itself,
-//! after finishing this collective's last barrier), and both need this
-//! rank's arrival there, which comes after this rank's wait on the slot.
-//! So a slot never moves past the value being waited for.
+//! Waits accept any epoch at or past the awaited one ([`reached`]). For the
+//! pull algorithms that is equality: a peer writes the next epoch into a
+//! slot of set K only after passing the next `Start` barrier (or, for
+//! `Start` itself, after finishing this collective's last barrier), and both
+//! need this rank's arrival there, which comes after this rank's wait on the
+//! slot, so a slot never moves past the value being waited for. Push has
+//! only `Start`: a peer can finish a collective without waiting for this
+//! rank's reads and arrive at the next one, one epoch ahead (never two: its
+//! next wait needs this rank's next arrival).
 
 use crate::abi::{Algorithm, BarrierKind};
 
-/// The memory order of every barrier of kind `kind`, in every algorithm.
+/// The memory order of barrier `kind` in algorithm `algo`.
 ///
-/// - `Start` is [`Order::ArrivalOnly`]: what peers read after it (the
+/// - `Start` of [`Algorithm::Push`] must be [`Order::Publish`]: each rank
+///   wrote its input into the peers' landing zones in the same kernel just
+///   before arriving, and the peers read them right after their wait.
+/// - `Start` (pull algorithms) is [`Order::ArrivalOnly`]: what peers read after it (the
 ///   inputs) was written by earlier work on the owner's stream, which had
 ///   completed, all its writes performed, before the owner's kernel began
 ///   and so before its arrival; and no access after a poll that saw the
@@ -43,10 +50,11 @@ use crate::abi::{Algorithm, BarrierKind};
 ///   earlier in the same kernel, with no stream boundary in between, so
 ///   only release/acquire on the flag orders those writes before the reads.
 #[inline(always)]
-pub const fn order(kind: BarrierKind) -> Order {
-    match kind {
-        BarrierKind::Start | BarrierKind::End => Order::ArrivalOnly,
-        BarrierKind::Mid => Order::Publish,
+pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
+    match (algo, kind) {
+        (Algorithm::Push, BarrierKind::Start) => Order::Publish,
+        (_, BarrierKind::Start | BarrierKind::End) => Order::ArrivalOnly,
+        (_, BarrierKind::Mid) => Order::Publish,
     }
 }
 
@@ -61,6 +69,17 @@ pub const fn order(kind: BarrierKind) -> Order {
 ///   for this collective (every stage-2 read of scratch) has completed,
 ///   because kernels on one stream run in order.
 ///
+/// - Push: `Start` only. Each rank writes its input into a per-source slot
+///   of every peer's landing zone, arrives (publishing), waits for every
+///   peer, and reduces its own landing zone locally: no rank reads peer
+///   memory, so nothing needs an `End`. Landing zones alternate between two
+///   slots by epoch parity: a rank writes slot `e % 2` again at collective
+///   `e + 2`, which it starts only after its `e + 1` wait saw every peer's
+///   `e + 1` arrival, made in kernels that began after the peers' kernels
+///   for `e` (every read of slot `e % 2`) had completed. A peer can
+///   therefore be one collective ahead, so waits accept any epoch at or
+///   past the awaited one ([`reached`]).
+///
 /// Invariants, checked at compile time below: every sequence begins with
 /// `Start` (the kernels commit the new epoch after it), and kinds appear at
 /// most once, in the order `Start`, `Mid`, `End`, which is the order of the
@@ -70,6 +89,7 @@ pub const fn barriers(algo: Algorithm) -> &'static [BarrierKind] {
     match algo {
         Algorithm::OneStage => &[BarrierKind::Start, BarrierKind::End],
         Algorithm::TwoStage => &[BarrierKind::Start, BarrierKind::Mid],
+        Algorithm::Push => &[BarrierKind::Start],
     }
 }
 
@@ -82,8 +102,8 @@ pub const fn runs(algo: Algorithm, kind: BarrierKind) -> bool {
 }
 
 /// `RUNS[algo][kind]`: whether `kind` is in `barriers(algo)`.
-const RUNS: [[bool; 4]; 2] = {
-    let mut t = [[false; 4]; 2];
+const RUNS: [[bool; 4]; Algorithm::ALL.len()] = {
+    let mut t = [[false; 4]; Algorithm::ALL.len()];
     let mut a = 0;
     while a < Algorithm::ALL.len() {
         let algo = Algorithm::ALL[a];
@@ -111,7 +131,14 @@ const _: () = {
         }
         a += 1;
     }
-    assert!(matches!(order(BarrierKind::Mid), Order::Publish));
+    assert!(matches!(
+        order(Algorithm::TwoStage, BarrierKind::Mid),
+        Order::Publish
+    ));
+    assert!(matches!(
+        order(Algorithm::Push, BarrierKind::Start),
+        Order::Publish
+    ));
 };
 
 /// A 32-bit flag in memory another rank can see.
@@ -171,13 +198,26 @@ pub trait Clock {
 pub const POLLS_PER_CLOCK_READ: u32 = 32;
 const _: () = assert!(POLLS_PER_CLOCK_READ.is_power_of_two());
 
+/// Whether a flag holding `value` shows an arrival at `epoch` or later.
+/// Epochs advance by one per collective and skip zero, and a peer is never
+/// more than one collective ahead (see [`barriers`]), so the wrapping
+/// difference decides; zero (never written) has not reached anything. For
+/// the pull algorithms a slot never moves past the awaited epoch, so this
+/// is plain equality there.
+#[inline(always)]
+pub const fn reached(value: u32, epoch: u32) -> bool {
+    value != 0 && (value.wrapping_sub(epoch) as i32) >= 0
+}
+
 /// The epoch that follows `prev`. Zero is never used, so zeroed signal
-/// memory never looks like an arrival.
+/// memory never looks like an arrival; at the wrap `u32::MAX` is followed
+/// by 2, not 1, so consecutive epochs always alternate in parity (push
+/// picks its landing slot by parity, see [`barriers`]).
 #[inline(always)]
 pub const fn next_epoch(prev: u32) -> u32 {
     let e = prev.wrapping_add(1);
     if e == 0 {
-        1
+        2
     } else {
         e
     }
@@ -219,13 +259,13 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
         }
         Wait::Arrived
     };
-    if own_slot.load_relaxed() == epoch {
+    if reached(own_slot.load_relaxed(), epoch) {
         return arrived(own_slot);
     }
     let t0 = if timeout_ns != 0 { clock.now_ns() } else { 0 };
     let mut polls: u32 = 0;
     loop {
-        if own_slot.load_relaxed() == epoch {
+        if reached(own_slot.load_relaxed(), epoch) {
             return arrived(own_slot);
         }
         clock.relax();
@@ -235,7 +275,7 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
             let now = clock.now_ns();
             if now.wrapping_sub(t0) > timeout_ns {
                 // One last look, so an arrival racing with the deadline wins.
-                return if own_slot.load_relaxed() == epoch {
+                return if reached(own_slot.load_relaxed(), epoch) {
                     arrived(own_slot)
                 } else {
                     Wait::TimedOut

@@ -30,7 +30,7 @@ pub struct CheckArgs {
     /// Element types [default: f32,f16,bf16].
     #[arg(long, value_delimiter = ',', value_parser = parse_dtype_arg)]
     pub dtype: Vec<Dtype>,
-    /// Algorithms [default: one_stage,two_stage,auto].
+    /// Algorithms [default: one_stage,two_stage,push,auto].
     #[arg(long, value_delimiter = ',', value_parser = parse_algo_arg)]
     pub algo: Vec<AlgoChoice>,
     /// Print every case, not only failures.
@@ -123,7 +123,12 @@ fn selection(args: &CheckArgs) -> (Vec<Dtype>, Vec<AlgoChoice>, &'static [usize]
         args.dtype.clone()
     };
     let algos = if args.algo.is_empty() {
-        vec![AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto]
+        vec![
+            AlgoChoice::OneStage,
+            AlgoChoice::TwoStage,
+            AlgoChoice::Push,
+            AlgoChoice::Auto,
+        ]
     } else {
         args.algo.clone()
     };
@@ -425,6 +430,8 @@ fn config_for(lengths: &[usize], max_blocks: Option<u32>) -> Config {
     let longest = lengths.iter().copied().max().unwrap_or(0) * 4;
     Config {
         max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
+        // Registered push cases up to the longest length fit the landing zones.
+        push_max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
         max_blocks,
         ..Config::default()
     }

@@ -207,7 +207,7 @@ fn parse_dtype_arg(s: &str) -> Result<Dtype, String> {
 
 fn parse_algo_arg(s: &str) -> Result<AlgoChoice, String> {
     validate::parse_algo(s)
-        .ok_or_else(|| format!("`{s}` is not an algorithm: use one_stage, two_stage or auto"))
+        .ok_or_else(|| format!("`{s}` is not an algorithm: use one_stage, two_stage, push or auto"))
 }
 
 fn parse_world_arg(s: &str) -> Result<usize, String> {
@@ -264,7 +264,7 @@ mod tests {
         assert_eq!((b.iters, b.warmup_iters), (25, 3));
         assert_eq!(b.datatype, Dtype::Bf16);
         assert_eq!(b.world, vec![8]);
-        assert_eq!(b.algo.len(), 3);
+        assert_eq!(b.algo.len(), 4);
         let cli = Cli::try_parse_from([
             "p2p-allreduce",
             "bench",

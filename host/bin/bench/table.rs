@@ -35,6 +35,12 @@ pub(super) fn header(devices: &str, mode: &str, args: &BenchArgs, sizes: &[usize
             .map_or("chosen by the link".to_string(), |b| format!("at most {b}")),
         args.threads
     );
+    if args.algo.contains(&p2p_allreduce::AlgoChoice::Push) {
+        println!(
+            "# push rows up to {} (landing zones of 2 x world x that per rank)",
+            fmt_bytes(super::PUSH_ROWS_MAX as u64)
+        );
+    }
     println!(
         "# {} x {} sizes ({}..{}, x{}), algorithms {}",
         args.datatype.name(),

@@ -1,6 +1,6 @@
-/work/wt/device/target/release/deps/p2p_allreduce_device-fd4e93b9ec9d62c9.d: src/lib.rs src/abi.rs src/barrier.rs src/numeric.rs src/reduce.rs Cargo.toml
+/work/main/device/target/release/deps/p2p_allreduce_device-fd4e93b9ec9d62c9.d: src/lib.rs src/abi.rs src/barrier.rs src/numeric.rs src/reduce.rs Cargo.toml
 
-/work/wt/device/target/release/deps/libp2p_allreduce_device-fd4e93b9ec9d62c9.rmeta: src/lib.rs src/abi.rs src/barrier.rs src/numeric.rs src/reduce.rs Cargo.toml
+/work/main/device/target/release/deps/libp2p_allreduce_device-fd4e93b9ec9d62c9.rmeta: src/lib.rs src/abi.rs src/barrier.rs src/numeric.rs src/reduce.rs Cargo.toml
 
 src/lib.rs:
 src/abi.rs:
