@@ -76,6 +76,7 @@ pub(crate) unsafe fn launch_step(
         rank,
         absent_ranks: target.absent,
         host_error: target.host_error,
+        landing_part: config.push_max_bytes as u64,
         ..Default::default()
     };
     for r in 0..world {

@@ -1788,10 +1788,12 @@ fn nccl_routed(g: &Gpu) {
     )
     .expect("group");
     grp.enable_nccl(&streams).expect("enable_nccl");
-    for (len, want_route) in [
-        (10_007usize, Route::Nccl),
-        (100, Route::Kernel(Algorithm::OneStage)),
-    ] {
+    // Below nccl_above, Auto's own choice for this link (push over NVLink).
+    let small = grp
+        .config()
+        .thresholds
+        .choose(AlgoChoice::Auto, 400, world, grp.link());
+    for (len, want_route) in [(10_007usize, Route::Nccl), (100, Route::Kernel(small))] {
         let mut outs: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
         let ins: Vec<CudaSlice<f32>> = bits
             .iter()

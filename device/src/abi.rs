@@ -112,10 +112,10 @@ impl Signal {
     }
     pub const EPOCH_OFFSET: usize = 3 * MAX_BLOCKS * MAX_RANKS * 4;
     /// Where a rank's landing zone starts in its signal allocation: right
-    /// after the [`Signal`]. Layout: `[slot 0..2][source 0..N][packs]`,
-    /// `packs = ceil(count / lanes)` 16-byte packs per source, slot = the
-    /// collective's epoch parity ([`crate::barrier::barriers`] says why two
-    /// slots suffice). The host sizes it (`2 * N * packs * 16` bytes at most).
+    /// after the [`Signal`]. Layout: `[slot 0..2][source 0..N][part]`, each
+    /// part `LaunchArgs::landing_part` bytes (fixed for the group, at least
+    /// `ceil(count / lanes) * 16`), slot = the collective's epoch parity
+    /// ([`crate::barrier::barriers`] says why two slots suffice).
     pub const LANDING_OFFSET: usize = core::mem::size_of::<Signal>();
     pub const ERROR_OFFSET: usize = Self::EPOCH_OFFSET + MAX_BLOCKS * 4;
 }
@@ -158,6 +158,11 @@ pub struct LaunchArgs {
     /// sets to its error code after writing an error record (0: none), so
     /// the host learns of an error without synchronising.
     pub host_error: u64,
+    /// Push only: bytes of one source's part of a landing zone (the same
+    /// on every rank). The layout must not depend on the message: a peer
+    /// one collective ahead writes the other slot while this rank still
+    /// reads this one, and slots of different sizes would overlap.
+    pub landing_part: u64,
 }
 
 // Layout checks: the host writes these bytes and the PTX reads them.
@@ -171,7 +176,7 @@ const _: () = {
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
     assert!(size_of::<RankTable>() == 128);
-    assert!(size_of::<LaunchArgs>() == 168);
+    assert!(size_of::<LaunchArgs>() == 176);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);
     assert!(offset_of!(LaunchArgs, count) == 136);
@@ -179,6 +184,7 @@ const _: () = {
     assert!(offset_of!(LaunchArgs, rank) == 152);
     assert!(offset_of!(LaunchArgs, absent_ranks) == 156);
     assert!(offset_of!(LaunchArgs, host_error) == 160);
+    assert!(offset_of!(LaunchArgs, landing_part) == 168);
 };
 
 /// Element types the kernels reduce.

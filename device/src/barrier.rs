@@ -78,7 +78,11 @@ pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
 ///   `e + 1` arrival, made in kernels that began after the peers' kernels
 ///   for `e` (every read of slot `e % 2`) had completed. A peer can
 ///   therefore be one collective ahead, so waits accept any epoch at or
-///   past the awaited one ([`reached`]).
+///   past the awaited one ([`reached`]). The slots' layout is fixed for the
+///   group (`LaunchArgs::landing_part` bytes per source), whatever the
+///   message size: with a layout sized by the message, a peer one
+///   collective ahead would write a larger or smaller slot 1 that overlaps
+///   the slot 0 still being read (seen on the GPUs as a wrong element).
 ///
 /// Invariants, checked at compile time below: every sequence begins with
 /// `Start` (the kernels commit the new epoch after it), and kinds appear at

@@ -556,8 +556,10 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
 ///
 /// # Safety
 /// As for [`allreduce`], except that only this rank's input in the table is
-/// read; and every rank's signal allocation holds a landing zone of at
-/// least `2 * N * ceil(a.count / lanes) * 16` bytes after the [`Signal`].
+/// read; `a.landing_part` is a multiple of 16 and at least
+/// `ceil(a.count / lanes) * 16`, the same on every rank; and every rank's
+/// signal allocation holds a landing zone of `2 * N * a.landing_part`
+/// bytes after the [`Signal`].
 #[inline(always)]
 unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) {
     if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
@@ -590,12 +592,11 @@ unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) 
 
     let lanes = E::LANES as u64;
     let s = split(a.count, lanes);
-    let packs = s.packs + (s.tail != 0) as u64;
     let g = (block * nthreads + tid) as u64;
     let stride = (nblocks * nthreads) as u64;
     // Bytes from a landing zone's start to source `src`'s part of this
-    // collective's slot.
-    let part = |src: u64| ((epoch as u64 & 1) * N as u64 + src) * packs * 16;
+    // collective's slot (a layout that does not depend on the message).
+    let part = |src: u64| ((epoch as u64 & 1) * N as u64 + src) * a.landing_part;
 
     // Phase 1: this rank's input into its part of every peer's zone.
     let mut dst = [0u64; MAX_RANKS];
