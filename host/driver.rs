@@ -40,6 +40,19 @@ pub fn device_count() -> Result<usize> {
     Ok(n.max(0) as usize)
 }
 
+/// The CUDA version the driver supports, as `(major, minor)`.
+pub fn driver_version() -> Result<(u32, u32)> {
+    if !driver_present() {
+        return Err(Error::NoDriver);
+    }
+    let mut v = 0i32;
+    // SAFETY: plain query with a valid out-pointer; libcuda is present.
+    unsafe { sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .during("cuDriverGetVersion")?;
+    Ok(((v / 1000) as u32, ((v % 1000) / 10) as u32))
+}
+
 /// Opens (retains the primary context of) device `ordinal`.
 pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
     if !driver_present() {

@@ -116,14 +116,9 @@ fn print_gpus() {
         println!("driver: no CUDA driver found (libcuda could not be loaded): GPU commands (check, bench) are unavailable here; the PTX above is usable on any machine");
         return;
     }
-    let mut version = 0i32;
-    // SAFETY: plain query with a valid out-pointer; the library is present
-    // (checked above).
-    let v = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
-    let version = if v == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        format!(", CUDA {}.{}", version / 1000, (version % 1000) / 10)
-    } else {
-        String::new()
+    let version = match driver::driver_version() {
+        Ok((major, minor)) => format!(", CUDA {major}.{minor}"),
+        Err(_) => String::new(),
     };
     let n = match driver::device_count() {
         Ok(n) => n,
