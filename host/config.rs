@@ -246,7 +246,7 @@ impl Config {
     /// use: `max_blocks` if set, else [`AUTO_BLOCKS_SAME_DEVICE`] for ranks
     /// sharing a GPU (virtual ranks: every rank's blocks share its SMs) and
     /// [`AUTO_BLOCKS_CROSS_DEVICE`] across devices. The kernels use fewer for
-    /// small messages ([`blocks_for`]); a launch is also refused when the
+    /// small messages ([`crate::plan::blocks_for`]); a launch is also refused when the
     /// blocks could not all be resident at once.
     pub fn blocks_cap(&self, link: Link) -> u32 {
         self.max_blocks.unwrap_or(match link {

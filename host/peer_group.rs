@@ -30,7 +30,9 @@ pub enum Route {
 /// Every call takes one stream per rank (`streams[r]` on rank r's device,
 /// no stream twice) and enqueues rank r's work on it; nothing waits on the
 /// host except [`PeerGroup::check`]. Kernel errors (a peer timeout) are
-/// reported by `check`; until then later calls return `Ok`.
+/// reported by `check`, and every later call refuses to run (a kernel
+/// raises a host mailbox, so this needs no device sync: see
+/// [`PeerGroup::poll`]).
 ///
 /// CUDA graphs: capture every rank's stream, call the allreduce, end every
 /// capture, and launch each rank's graph on its stream. Capture the streams
@@ -134,6 +136,10 @@ impl PeerGroup {
     /// [`PeerGroup::allreduce`], except that under `AlgoChoice::Auto` a
     /// message larger than `Config::nccl_above` goes to NCCL when it was
     /// enabled. Without the `nccl` feature this is `allreduce`.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce_routed<T, I, O>(
         &self,
         streams: &[Arc<CudaStream>],
@@ -165,6 +171,10 @@ impl PeerGroup {
     /// device) into its staging buffer and launches on `streams[r]`, writing
     /// `outputs[r]`. Returns the algorithm of the whole call; messages
     /// above `Config::max_bytes` run in chunks.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce<T, I, O>(
         &self,
         streams: &[Arc<CudaStream>],
@@ -203,6 +213,10 @@ impl PeerGroup {
     }
 
     /// In-place allreduce: every rank's buffer is both input and output.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce_in_place<T, B>(
         &self,
         streams: &[Arc<CudaStream>],
@@ -233,6 +247,10 @@ impl PeerGroup {
     /// [`PeerGroup::allreduce`] on raw device pointers: `inputs[r]` and
     /// `outputs[r]` on rank r's device. Inputs are staged, so
     /// `outputs[r] == inputs[r]` (in place) is allowed.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     ///
     /// # Safety
     /// `inputs[r]` must be valid for reads and `outputs[r]` for writes of
@@ -290,6 +308,10 @@ impl PeerGroup {
     /// staging copy; works inside CUDA-graph capture (see the type's docs).
     /// Not chunked: a two-stage larger than the scratch runs one-stage
     /// under `Auto` (same bits) and is refused when asked for explicitly.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce_registered<T, O>(
         &self,
         streams: &[Arc<CudaStream>],

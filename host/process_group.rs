@@ -22,8 +22,9 @@ pub const GRAPH_SLOTS: usize = 4096;
 ///
 /// Calls are ordered on the stream they are given; calls on different
 /// streams are ordered after each other by the group. Kernel errors (a peer
-/// timeout) are reported by [`ProcessGroup::check`]; until then later calls
-/// return `Ok`.
+/// timeout) are reported by [`ProcessGroup::check`], and every later call
+/// refuses to run (a kernel raises a host mailbox, so this needs no device
+/// sync: see [`ProcessGroup::poll`]).
 ///
 /// ```no_run
 /// use p2p_allreduce::{driver, AlgoChoice, Config, DirExchange, ProcessGroup};
@@ -138,6 +139,10 @@ impl ProcessGroup {
     /// `output`, on `stream`. Every rank must call it with the same dtype
     /// and length. Returns the algorithm of the whole call; messages above
     /// `Config::max_bytes` run in chunks.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce<T, I, O>(
         &self,
         stream: &Arc<CudaStream>,
@@ -174,6 +179,10 @@ impl ProcessGroup {
     }
 
     /// In-place allreduce of this rank's `buffer`.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce_in_place<T, B>(
         &self,
         stream: &Arc<CudaStream>,
@@ -192,6 +201,10 @@ impl ProcessGroup {
 
     /// [`ProcessGroup::allreduce`] on raw device pointers of this rank's
     /// device. The input is staged, so `output == input` (in place) is allowed.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     ///
     /// # Safety
     /// `input` must be valid for reads and `output` for writes of `count`
@@ -219,6 +232,10 @@ impl ProcessGroup {
     /// runs (without the check, a different count would end in a peer
     /// timeout and a different dtype in wrong sums). Costs one host
     /// round trip per call: for debugging and for first calls.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce_checked<T, I, O>(
         &self,
         exchange: &dyn Exchange,
@@ -280,6 +297,10 @@ impl ProcessGroup {
     /// graph before that is reported as `Error::Unregistered`, not a crash.
     /// Every rank must capture the same allreduces in the same order. Not
     /// chunked: an explicit two-stage larger than the scratch is refused.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     ///
     /// # Safety
     /// `input` and `output` must stay valid for `count` elements of `dtype`

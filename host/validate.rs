@@ -3,7 +3,7 @@
 //! Shared by `p2p-allreduce check`, the `#wrong` column of
 //! `p2p-allreduce bench`, and tests.
 //!
-//! Inputs come from [`values::adversarial_inputs`] (seeded, so a failing
+//! Inputs come from [`crate::reference::values::adversarial_inputs`] (seeded, so a failing
 //! case is reproduced by its [`Case`] alone); outputs are filled with a
 //! poison value before the run, so a kernel that skips an element is caught.
 //! Device errors (a peer timeout recorded by the kernels, a driver error) are

@@ -20,8 +20,9 @@ use std::sync::Arc;
 /// Every call is ordered on the stream it is given; calls on different
 /// streams are ordered after each other by the group. Kernel errors (a peer
 /// timeout, only possible through [`VirtualGroup::launch_with_absent_ranks`]
-/// here) are reported by [`VirtualGroup::check`]; until then later calls
-/// return `Ok`.
+/// here) are reported by [`VirtualGroup::check`], and every later call
+/// refuses to run (a kernel raises a host mailbox, so this needs no device
+/// sync: see [`VirtualGroup::poll`]).
 pub struct VirtualGroup {
     core: Collective,
 }
@@ -83,6 +84,10 @@ impl VirtualGroup {
     /// Staged allreduce of `inputs[r]` into `outputs[r]` for every rank r
     /// (slices or views), ordered on `stream`. Returns the algorithm of the
     /// whole call. Messages above `Config::max_bytes` run in chunks.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce<T, I, O>(
         &self,
         stream: &Arc<CudaStream>,
@@ -115,6 +120,10 @@ impl VirtualGroup {
     }
 
     /// In-place allreduce: every rank's buffer is both input and output.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce_in_place<T, B>(
         &self,
         stream: &Arc<CudaStream>,
@@ -143,6 +152,10 @@ impl VirtualGroup {
 
     /// [`VirtualGroup::allreduce`] on raw device pointers. Inputs are
     /// staged, so `outputs[r] == inputs[r]` (in place) is allowed.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     ///
     /// # Safety
     /// `inputs[r]` must be valid for reads and `outputs[r]` for writes of
@@ -187,6 +200,10 @@ impl VirtualGroup {
     /// buffers into `outputs`. Not chunked: a two-stage larger than the
     /// scratch runs one-stage under `Auto` (same bits) and is refused when
     /// asked for explicitly (`ScratchTooSmall`).
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
     pub fn allreduce_registered<T, O>(
         &self,
         stream: &Arc<CudaStream>,
