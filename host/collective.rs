@@ -21,7 +21,7 @@ use crate::checks::{check_aligned, check_count};
 use crate::driver::{self, DeviceAlloc, HostMailbox, Kernels, PlainData as _};
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{launch_step, Ranks, Target};
-use crate::plan::{AlgoChoice, Config, Inputs, Link, Plan, Request};
+use crate::plan::{AlgoChoice, Config, Inputs, Link, Plan, Request, Step};
 use cudarc::driver::{CudaContext, CudaStream};
 use std::sync::{Arc, Mutex};
 
@@ -320,24 +320,16 @@ impl Collective {
                         )?
                     };
                 }
-                let target = Target {
-                    table: member.staged_table.ptr(),
-                    signals: &self.signals,
-                    outputs,
-                    absent: 0,
-                    host_error: member.mailbox.device_ptr(),
-                };
                 // SAFETY: the staged table names this group's live staging
                 // and scratch buffers; outputs are the caller's contract.
                 unsafe {
-                    launch_step(
-                        &member.kernels,
+                    self.launch_member(
+                        member,
                         stream,
-                        &self.config,
-                        self.world,
                         &step,
-                        member.ranks,
-                        &target,
+                        member.staged_table.ptr(),
+                        outputs,
+                        0,
                     )?
                 };
             }
@@ -369,28 +361,46 @@ impl Collective {
         self.begin(streams)?;
         for step in plan.steps() {
             for ((member, stream), &table) in self.members.iter().zip(streams).zip(tables) {
-                let target = Target {
-                    table,
-                    signals: &self.signals,
-                    outputs,
-                    absent: 0,
-                    host_error: member.mailbox.device_ptr(),
-                };
                 // SAFETY: forwarded from the caller.
-                unsafe {
-                    launch_step(
-                        &member.kernels,
-                        stream,
-                        &self.config,
-                        self.world,
-                        &step,
-                        member.ranks,
-                        &target,
-                    )?
-                };
+                unsafe { self.launch_member(member, stream, &step, table, outputs, 0)? };
             }
         }
         Ok(plan.algorithm)
+    }
+
+    /// Launches `step` for `member` on `stream` with pointer table `table`.
+    ///
+    /// # Safety
+    /// As for [`launch_step`]: the table names live buffers of this group
+    /// holding what the step reads, and `outputs` are valid for it.
+    unsafe fn launch_member(
+        &self,
+        member: &Member,
+        stream: &CudaStream,
+        step: &Step,
+        table: u64,
+        outputs: &[u64; MAX_RANKS],
+        absent: u32,
+    ) -> Result<()> {
+        let target = Target {
+            table,
+            signals: &self.signals,
+            outputs,
+            absent,
+            host_error: member.mailbox.device_ptr(),
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            launch_step(
+                &member.kernels,
+                stream,
+                &self.config,
+                self.world,
+                step,
+                member.ranks,
+                &target,
+            )
+        }
     }
 
     fn check_outputs(&self, outputs: &[u64; MAX_RANKS]) -> Result<()> {
@@ -427,23 +437,15 @@ impl Collective {
         self.begin(streams)?;
         for step in plan.steps() {
             for (member, stream) in self.members.iter().zip(streams) {
-                let target = Target {
-                    table: member.staged_table.ptr(),
-                    signals: &self.signals,
-                    outputs: &outputs,
-                    absent,
-                    host_error: member.mailbox.device_ptr(),
-                };
                 // SAFETY: staging and scratch hold max_bytes >= count * 4.
                 unsafe {
-                    launch_step(
-                        &member.kernels,
+                    self.launch_member(
+                        member,
                         stream,
-                        &self.config,
-                        self.world,
                         &step,
-                        member.ranks,
-                        &target,
+                        member.staged_table.ptr(),
+                        &outputs,
+                        absent,
                     )?
                 };
             }

@@ -6,9 +6,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use indicatif::ProgressBar;
 use p2p_allreduce::abi::{Dtype, MAX_RANKS};
 use p2p_allreduce::validate::{self, Case, Outcome};
-use p2p_allreduce::{
-    AlgoChoice, Config, Error, Exchange as _, PeerGroup, ProcessGroup, VirtualGroup,
-};
+use p2p_allreduce::{AlgoChoice, Config, Error, Exchange as _, PeerGroup, VirtualGroup};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -167,28 +165,14 @@ impl Tally {
 /// failed case every rank resets and meets the others before the next one.
 fn run_rank(args: &CheckArgs, env: &RankEnv) -> ExitCode {
     let (dtypes, algos, lengths) = selection(args);
-    let ctx = match open_gpu("check", env.gpu) {
-        Ok(c) => c,
+    let procs::Joined {
+        stream,
+        exchange: ex,
+        group,
+        ..
+    } = match procs::join("check", env, config_for(lengths, None), false) {
+        Ok(j) => j,
         Err(code) => return code,
-    };
-    let fail = |what: &str, e: &dyn std::fmt::Display| {
-        println!(
-            "check: rank {} on GPU {}: cannot {what}: {e}",
-            env.rank, env.gpu
-        );
-        ExitCode::FAILURE
-    };
-    let stream = match ctx.new_stream() {
-        Ok(s) => s,
-        Err(e) => return fail("create a stream", &e),
-    };
-    let ex = match env.exchange() {
-        Ok(x) => x,
-        Err(e) => return fail("join the rendezvous", &e),
-    };
-    let group = match ProcessGroup::new(&ctx, &ex, config_for(lengths, None)) {
-        Ok(g) => g,
-        Err(e) => return fail("form the ProcessGroup", &e),
     };
     if env.rank == 0 {
         println!(

@@ -151,6 +151,51 @@ pub fn run_ranks(what: &str, gpus: &[usize], deadline: Duration) -> ExitCode {
     }
 }
 
+/// What a rank process works with once it has joined its group.
+pub struct Joined {
+    pub ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    pub exchange: DirExchange,
+    pub group: p2p_allreduce::ProcessGroup,
+}
+
+/// Opens this rank's GPU, makes a stream, joins the rendezvous and forms
+/// the ProcessGroup with `config`; or prints why not (as `what`) and
+/// returns the exit code. `graphs`: the caller captures graphs, so cudarc's
+/// event tracking (which capture cannot record) is turned off.
+pub fn join(
+    what: &str,
+    env: &RankEnv,
+    config: p2p_allreduce::Config,
+    graphs: bool,
+) -> Result<Joined, ExitCode> {
+    let ctx = crate::open_gpu(what, env.gpu)?;
+    if graphs {
+        // SAFETY: every buffer of a rank process is used on its one stream
+        // only, so cudarc's cross-stream tracking is not needed.
+        unsafe { ctx.disable_event_tracking() };
+    }
+    let fail = |step: &str, e: &dyn std::fmt::Display| {
+        println!(
+            "{what}: rank {} on GPU {}: cannot {step}: {e}",
+            env.rank, env.gpu
+        );
+        ExitCode::FAILURE
+    };
+    let stream = ctx.new_stream().map_err(|e| fail("create a stream", &e))?;
+    let exchange = env
+        .exchange()
+        .map_err(|e| fail("join the rendezvous", &e))?;
+    let group = p2p_allreduce::ProcessGroup::new(&ctx, &exchange, config)
+        .map_err(|e| fail("form the ProcessGroup", &e))?;
+    Ok(Joined {
+        ctx,
+        stream,
+        exchange,
+        group,
+    })
+}
+
 /// The GPUs of a `--procs` run: those listed, else every visible GPU.
 pub fn gpus_or_all(listed: &[usize]) -> Vec<usize> {
     if !listed.is_empty() {

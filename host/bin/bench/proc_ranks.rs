@@ -8,7 +8,7 @@ use super::table::{column_names, describe, header};
 #[cfg(feature = "nccl")]
 use super::NCCL;
 use super::{config, fill_for, kernel_rows, report, sweep_rows, BenchArgs, Runner, What};
-use crate::open_gpu;
+use crate::procs;
 use crate::procs::RankEnv;
 use cudarc::driver::{CudaContext, CudaStream};
 use p2p_allreduce::abi::{Algorithm, Dtype};
@@ -25,31 +25,14 @@ use std::sync::Arc;
 /// its own result and the ranks add up their `#wrong` through the exchange.
 pub(super) fn run_rank(args: &BenchArgs, sizes: &[usize], env: &RankEnv) -> ExitCode {
     let print = env.rank == 0;
-    let ctx = match open_gpu("bench", env.gpu) {
-        Ok(c) => c,
+    let procs::Joined {
+        ctx,
+        stream,
+        exchange: ex,
+        group,
+    } = match procs::join("bench", env, config(args, sizes[sizes.len() - 1]), true) {
+        Ok(j) => j,
         Err(code) => return code,
-    };
-    // SAFETY: every buffer is used on this rank's one stream only, and graph
-    // capture must not record cudarc's events.
-    unsafe { ctx.disable_event_tracking() };
-    let fail = |what: &str, e: &dyn std::fmt::Display| {
-        println!(
-            "bench: rank {} on GPU {}: cannot {what}: {e}",
-            env.rank, env.gpu
-        );
-        ExitCode::FAILURE
-    };
-    let stream = match ctx.new_stream() {
-        Ok(s) => s,
-        Err(e) => return fail("create a stream", &e),
-    };
-    let ex = match env.exchange() {
-        Ok(x) => x,
-        Err(e) => return fail("join the rendezvous", &e),
-    };
-    let group = match ProcessGroup::new(&ctx, &ex, config(args, sizes[sizes.len() - 1])) {
-        Ok(g) => g,
-        Err(e) => return fail("form the ProcessGroup", &e),
     };
     if print {
         header(
@@ -82,7 +65,13 @@ pub(super) fn run_rank(args: &BenchArgs, sizes: &[usize], env: &RankEnv) -> Exit
     };
     let mut runner = match runner {
         Ok(r) => r,
-        Err(e) => return fail("prepare the inputs", &e),
+        Err(e) => {
+            println!(
+                "bench: rank {} on GPU {}: cannot prepare the inputs: {e}",
+                env.rank, env.gpu
+            );
+            return ExitCode::FAILURE;
+        }
     };
     let (rows, failures) = sweep_rows(runner.as_mut(), args, sizes, &whats, &fill_bits, print);
     if !print {
