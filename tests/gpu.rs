@@ -40,6 +40,7 @@ fn main() {
         ("api_safety_misuse_is_refused_or_ordered", api_safety),
         ("peer_group_real_rank_entries_every_gpu", peer_group),
         ("peer_group_graph_replays", peer_group_graphs),
+        ("push_back_to_back_with_changing_grids", push_changing_grids),
         ("ipc_process_group_every_gpu", ipc_processes),
         ("killed_rank_process_times_out_and_recovers", killed_rank),
         #[cfg(feature = "nccl")]
@@ -1268,6 +1269,61 @@ fn peer_group_graphs(g: &Gpu) {
     println!(
         "  PeerGroup on GPUs {place:?} ({:?}): graphs of a registered one-stage, a staged two-stage and a registered push allreduce, 50 replays with new data, bit-exact",
         grp.link()
+    );
+}
+
+/// Push collectives back to back on the streams (no host sync between
+/// them) whose grids differ: a 1-block message between chunked many-block
+/// ones. Every block must pick the same landing slot in a collective, or a
+/// fast peer writes the slot a slower rank still reads.
+fn push_changing_grids(g: &Gpu) {
+    let ctxs = all_gpus(g);
+    let place: Vec<usize> = if ctxs.len() >= 2 {
+        vec![0, 1]
+    } else {
+        vec![0, 0]
+    };
+    let (grp, streams) = peer_setup(&ctxs, &place, Config::with_max_bytes(1 << 20));
+    let world = place.len();
+    let mut runs = Vec::new();
+    for it in 0..24u64 {
+        let len = if it % 3 == 0 {
+            300_003
+        } else {
+            1000 + it as usize
+        };
+        let inputs = values::adversarial_inputs(Dtype::F32, world, len, 4000 + it, true);
+        let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let want = reference::allreduce_bits(Dtype::F32, &refs);
+        let ins: Vec<CudaSlice<f32>> = inputs
+            .iter()
+            .zip(&streams)
+            .map(|(b, s)| upload_on::<f32>(s, b))
+            .collect();
+        let mut outs: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+        let in_refs: Vec<&CudaSlice<f32>> = ins.iter().collect();
+        let used = grp
+            .allreduce(&streams, &in_refs, &mut outs, AlgoChoice::Push)
+            .expect("push");
+        assert_eq!(used, Algorithm::Push);
+        runs.push((len, ins, outs, want));
+    }
+    grp.check(&streams).expect("check");
+    for (k, (len, _ins, outs, want)) in runs.iter().enumerate() {
+        let got: Vec<Vec<u32>> = outs
+            .iter()
+            .zip(&streams)
+            .map(|(o, s)| download_on(s, o, *len))
+            .collect();
+        assert_ranks(
+            &format!("push call {k} (len {len})"),
+            Dtype::F32,
+            &got,
+            want,
+        );
+    }
+    println!(
+        "  PeerGroup on GPUs {place:?}: 24 push calls back to back, 1-block and chunked 32-block grids interleaved, bit-exact"
     );
 }
 

@@ -78,7 +78,9 @@ pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
 ///   `e + 1` arrival, made in kernels that began after the peers' kernels
 ///   for `e` (every read of slot `e % 2`) had completed. A peer can
 ///   therefore be one collective ahead, so waits accept any epoch at or
-///   past the awaited one ([`reached`]). The slots' layout is fixed for the
+///   past the awaited one ([`reached`]). Every collective advances every
+///   block's epoch counter (also those its grid does not run), so all
+///   blocks of a collective agree on the parity. The slots' layout is fixed for the
 ///   group (`LaunchArgs::landing_part` bytes per source), whatever the
 ///   message size: with a layout sized by the message, a peer one
 ///   collective ahead would write a larger or smaller slot 1 that overlaps

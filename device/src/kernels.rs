@@ -173,6 +173,36 @@ unsafe fn block_barrier<const N: usize>(
     !sync_threads_or(failed)
 }
 
+/// Commits this collective's epoch: the counter of block `block` and the
+/// counters of the blocks this launch does not run (`block + k * nblocks`),
+/// so that every block's counter stays equal to the number of collectives
+/// the group ran (zeroed memory: all equal). Push picks its landing slot by
+/// the epoch's parity, which must then be the same in every block of a
+/// collective whatever grids earlier collectives used; otherwise a block
+/// could take the slot a differently numbered block of the previous
+/// collective is still reading.
+///
+/// # Safety
+/// `own_sig` is this rank's own [`Signal`]; called by one thread per block,
+/// after every thread of the block read the old value.
+#[inline(always)]
+unsafe fn commit_epoch(own_sig: u64, block: u32, nblocks: u32, epoch: u32) {
+    let mut b = block as usize;
+    while b < MAX_BLOCKS {
+        // SAFETY: `epoch[b]` of this rank's own signal, b < MAX_BLOCKS; no
+        // other block of this launch writes it (each writes its own residue
+        // class modulo `nblocks`) and none reads it but block `b`, which is
+        // this one when b < nblocks.
+        unsafe {
+            write_volatile(
+                (own_sig as usize + Signal::EPOCH_OFFSET + 4 * b) as *mut u32,
+                epoch,
+            )
+        };
+        b += nblocks as usize;
+    }
+}
+
 /// Reads element `idx` (bits in the low bits) of a buffer of `E`.
 ///
 /// # Safety

@@ -130,8 +130,8 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     }
     if tid == 0 {
         // Every thread that needed the old value read it before the barrier.
-        // SAFETY: as for the read of `epoch_ptr` above.
-        unsafe { write_volatile(epoch_ptr, epoch) };
+        // SAFETY: own signal; one thread per block, after the barrier.
+        unsafe { commit_epoch(own_sig, block, nblocks, epoch) };
     }
 
     let lanes = E::LANES as u64;

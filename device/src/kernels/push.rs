@@ -116,8 +116,8 @@ unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) 
     }
     if tid == 0 {
         // Every thread that needed the old value read it before the barrier.
-        // SAFETY: as for the read of `epoch_ptr` above.
-        unsafe { write_volatile(epoch_ptr, epoch) };
+        // SAFETY: own signal; one thread per block, after the barrier.
+        unsafe { commit_epoch(own_sig, block, nblocks, epoch) };
     }
 
     // Phase 2: reduce this rank's zone in rank order; its own part is its
