@@ -180,26 +180,34 @@ unsafe fn block_barrier<const N: usize>(
 /// the epoch's parity, which must then be the same in every block of a
 /// collective whatever grids earlier collectives used; otherwise a block
 /// could take the slot a differently numbered block of the previous
-/// collective is still reading.
+/// collective is still reading. The block's threads share the stores (one
+/// each, mostly): a single thread issuing 64 volatile stores cost ~1 us.
 ///
 /// # Safety
-/// `own_sig` is this rank's own [`Signal`]; called by one thread per block,
-/// after every thread of the block read the old value.
+/// `own_sig` is this rank's own [`Signal`]; called by every thread of the
+/// block (`tid`, `nthreads`), after every thread read the old value.
 #[inline(always)]
-unsafe fn commit_epoch(own_sig: u64, block: u32, nblocks: u32, epoch: u32) {
-    let mut b = block as usize;
+unsafe fn commit_epoch(
+    own_sig: u64,
+    block: u32,
+    nblocks: u32,
+    tid: u32,
+    nthreads: u32,
+    epoch: u32,
+) {
+    let mut b = block as usize + tid as usize * nblocks as usize;
     while b < MAX_BLOCKS {
         // SAFETY: `epoch[b]` of this rank's own signal, b < MAX_BLOCKS; no
         // other block of this launch writes it (each writes its own residue
-        // class modulo `nblocks`) and none reads it but block `b`, which is
-        // this one when b < nblocks.
+        // class modulo `nblocks`), no other thread of this block either, and
+        // none reads it but block `b`, which is this one when b < nblocks.
         unsafe {
             write_volatile(
                 (own_sig as usize + Signal::EPOCH_OFFSET + 4 * b) as *mut u32,
                 epoch,
             )
         };
-        b += nblocks as usize;
+        b += nthreads as usize * nblocks as usize;
     }
 }
 

@@ -128,11 +128,9 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     if !ok {
         return;
     }
-    if tid == 0 {
-        // Every thread that needed the old value read it before the barrier.
-        // SAFETY: own signal; one thread per block, after the barrier.
-        unsafe { commit_epoch(own_sig, block, nblocks, epoch) };
-    }
+    // Every thread that needed the old value read it before the barrier.
+    // SAFETY: own signal; every thread of the block, after the barrier.
+    unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
 
     let lanes = E::LANES as u64;
     let s = split(a.count, lanes);

@@ -114,11 +114,9 @@ unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) 
     if !ok {
         return;
     }
-    if tid == 0 {
-        // Every thread that needed the old value read it before the barrier.
-        // SAFETY: own signal; one thread per block, after the barrier.
-        unsafe { commit_epoch(own_sig, block, nblocks, epoch) };
-    }
+    // Every thread that needed the old value read it before the barrier.
+    // SAFETY: own signal; every thread of the block, after the barrier.
+    unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
 
     // Phase 2: reduce this rank's zone in rank order; its own part is its
     // input itself.
