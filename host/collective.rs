@@ -19,9 +19,11 @@
 use crate::abi::{error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, MAX_RANKS};
 use crate::checks::{check_aligned, check_count};
 use crate::driver::{self, DeviceAlloc, HostMailbox, Kernels, PlainData as _};
+use crate::element::DeviceElement;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{launch_step, Ranks, Target};
 use crate::plan::{AlgoChoice, Config, Inputs, Link, Plan, Request, Step};
+use crate::registered::RegisteredBuffers;
 use cudarc::driver::{CudaContext, CudaStream};
 use std::sync::{Arc, Mutex};
 
@@ -297,12 +299,7 @@ impl Collective {
         outputs: &[u64; MAX_RANKS],
         choice: AlgoChoice,
     ) -> Result<Algorithm> {
-        let plan = Plan::new(
-            &self.config,
-            self.request(dtype, count, Inputs::Staged, choice),
-        )?;
-        self.check_outputs(outputs)?;
-        self.begin(streams)?;
+        let plan = self.prepare(streams, dtype, count, Inputs::Staged, outputs, choice)?;
         let size = dtype.size();
         for step in plan.steps() {
             for (member, stream) in self.members.iter().zip(streams) {
@@ -337,6 +334,27 @@ impl Collective {
         Ok(plan.algorithm)
     }
 
+    /// Zero-copy allreduce over registered buffers, which must belong to
+    /// this group (their tables name its scratch and signals) and hold
+    /// `count` elements.
+    ///
+    /// # Safety
+    /// `outputs[r]` as for [`Collective::staged`].
+    pub(crate) unsafe fn registered<T: DeviceElement>(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &[u64; MAX_RANKS],
+        choice: AlgoChoice,
+    ) -> Result<Algorithm> {
+        reg.check_owner(self.id, count)?;
+        // SAFETY: the registered buffers hold >= count elements and their
+        // tables name this group's scratch (owner checked); outputs are the
+        // caller's contract.
+        unsafe { self.zero_copy(streams, T::DTYPE, count, &reg.table_ptrs(), outputs, choice) }
+    }
+
     /// Zero-copy allreduce: every member launches once with its own pointer
     /// table (`tables[m]`), whose inputs the peers read directly.
     ///
@@ -352,13 +370,8 @@ impl Collective {
         outputs: &[u64; MAX_RANKS],
         choice: AlgoChoice,
     ) -> Result<Algorithm> {
-        let plan = Plan::new(
-            &self.config,
-            self.request(dtype, count, Inputs::ZeroCopy, choice),
-        )?;
-        self.check_outputs(outputs)?;
         check_count("pointer tables", tables.len(), self.members.len())?;
-        self.begin(streams)?;
+        let plan = self.prepare(streams, dtype, count, Inputs::ZeroCopy, outputs, choice)?;
         for step in plan.steps() {
             for ((member, stream), &table) in self.members.iter().zip(streams).zip(tables) {
                 // SAFETY: forwarded from the caller.
@@ -403,6 +416,24 @@ impl Collective {
         }
     }
 
+    /// What every collective does first: plan it (or refuse it), check the
+    /// outputs' alignment, check the streams and order the call after the
+    /// previous one (see [`Collective::begin`]).
+    fn prepare(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        dtype: Dtype,
+        count: usize,
+        inputs: Inputs,
+        outputs: &[u64; MAX_RANKS],
+        choice: AlgoChoice,
+    ) -> Result<Plan> {
+        let plan = Plan::new(&self.config, self.request(dtype, count, inputs, choice))?;
+        self.check_outputs(outputs)?;
+        self.begin(streams)?;
+        Ok(plan)
+    }
+
     fn check_outputs(&self, outputs: &[u64; MAX_RANKS]) -> Result<()> {
         for member in &self.members {
             for r in member.owns(self.world) {
@@ -426,15 +457,18 @@ impl Collective {
         count: usize,
     ) -> Result<()> {
         let count = count.min(self.config.max_bytes / dtype.size());
-        let plan = Plan::new(
-            &self.config,
-            self.request(dtype, count, Inputs::Staged, algorithm.into()),
-        )?;
         let mut outputs = [0u64; MAX_RANKS];
         for (r, b) in &self.own {
             outputs[*r] = b.scratch.ptr();
         }
-        self.begin(streams)?;
+        let plan = self.prepare(
+            streams,
+            dtype,
+            count,
+            Inputs::Staged,
+            &outputs,
+            algorithm.into(),
+        )?;
         for step in plan.steps() {
             for (member, stream) in self.members.iter().zip(streams) {
                 // SAFETY: staging and scratch hold max_bytes >= count * 4.

@@ -150,12 +150,25 @@ impl Thresholds {
     /// The algorithm for a message of `bytes` bytes: the explicit choice, or
     /// under `Auto` one-stage up to [`Thresholds::one_stage_max`].
     pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, link: Link) -> Algorithm {
+        self.choose_fitting(choice, bytes, world, link, true)
+    }
+
+    /// [`Thresholds::choose`], where `Auto` may push only if `push_fits`
+    /// (the message fits the group's landing zones).
+    fn choose_fitting(
+        &self,
+        choice: AlgoChoice,
+        bytes: usize,
+        world: usize,
+        link: Link,
+        push_fits: bool,
+    ) -> Algorithm {
         match choice {
             AlgoChoice::OneStage => Algorithm::OneStage,
             AlgoChoice::TwoStage => Algorithm::TwoStage,
             AlgoChoice::Push => Algorithm::Push,
             AlgoChoice::Auto => {
-                if world > 1 && bytes <= self.push_max(link) {
+                if push_fits && world > 1 && bytes <= self.push_max(link) {
                     Algorithm::Push
                 } else if bytes <= self.one_stage_max(link, world) {
                     Algorithm::OneStage
@@ -229,6 +242,14 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The algorithm for a message of `bytes` bytes under these settings:
+    /// [`Thresholds::choose`], except that `Auto` never pushes a message
+    /// larger than `push_max_bytes` (it would not fit the landing zones).
+    pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, link: Link) -> Algorithm {
+        self.thresholds
+            .choose_fitting(choice, bytes, world, link, bytes <= self.push_max_bytes)
+    }
+
     /// Bytes of each rank's landing zone in a group of `world` ranks.
     pub(crate) fn landing_bytes(&self, world: usize) -> usize {
         2 * world * self.push_max_bytes

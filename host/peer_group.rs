@@ -324,8 +324,6 @@ impl PeerGroup {
         T: DeviceElement,
         O: DevicePtrMut<T>,
     {
-        self.core.ensure_ok()?;
-        reg.check_owner(self.core.id, count)?;
         check_count("streams", streams.len(), self.world())?;
         check_count("outputs", outputs.len(), self.world())?;
         count_of(
@@ -340,12 +338,8 @@ impl PeerGroup {
             .collect();
         let o = by_rank(outs.iter().map(|p| p.0));
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        // SAFETY: the registered buffers hold >= count elements and their
-        // tables name this group's scratch (owner checked).
-        unsafe {
-            self.core
-                .zero_copy(&s, T::DTYPE, count, &reg.table_ptrs(), &o, algo)
-        }
+        // SAFETY: every output holds >= count elements (checked above).
+        unsafe { self.core.registered(&s, reg, count, &o, algo) }
     }
 
     /// Reports an error a kernel of this group has recorded so far (a peer

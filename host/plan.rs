@@ -87,30 +87,10 @@ impl Plan {
     pub fn new(config: &Config, request: Request) -> Result<Plan> {
         let size = request.dtype.size();
         let bytes = request.count * size;
-        let mut algorithm =
-            config
-                .thresholds
-                .choose(request.choice, bytes, request.world, request.link);
-        let elems_in = |cap: usize| ((cap / PACK_BYTES) * request.dtype.lanes()).max(1);
-        if algorithm == Algorithm::Push
-            && request.choice == AlgoChoice::Auto
-            && bytes > config.push_max_bytes
-        {
-            // Auto never pushes what does not fit the landing zones.
-            algorithm = if bytes <= config.thresholds.one_stage_max(request.link, request.world) {
-                Algorithm::OneStage
-            } else {
-                Algorithm::TwoStage
-            };
-        }
+        let mut algorithm = config.choose(request.choice, bytes, request.world, request.link);
         let chunk = match request.inputs {
             Inputs::Staged => {
-                if bytes > config.max_bytes && !config.chunking {
-                    return Err(Error::MessageTooLarge {
-                        bytes,
-                        capacity: config.max_bytes,
-                    });
-                }
+                // A push chunk must fit the landing zones as well.
                 let cap = if algorithm == Algorithm::Push {
                     config.max_bytes.min(config.push_max_bytes)
                 } else {
@@ -122,7 +102,7 @@ impl Plan {
                         capacity: cap,
                     });
                 }
-                elems_in(cap)
+                ((cap / PACK_BYTES) * request.dtype.lanes()).max(1)
             }
             Inputs::ZeroCopy => {
                 if algorithm == Algorithm::Push && bytes > config.push_max_bytes {

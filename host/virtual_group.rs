@@ -216,8 +216,6 @@ impl VirtualGroup {
         T: DeviceElement,
         O: DevicePtrMut<T>,
     {
-        self.core.ensure_ok()?;
-        reg.check_owner(self.core.id, count)?;
         check_count("outputs", outputs.len(), self.world())?;
         count_of(
             T::DTYPE,
@@ -229,13 +227,8 @@ impl VirtualGroup {
             .map(|s| s.device_ptr_mut(stream))
             .collect();
         let o = by_rank(outs.iter().map(|p| p.0));
-        // SAFETY: the registered buffers hold >= count elements and their
-        // table names this group's scratch (owner checked); outputs hold
-        // >= count elements.
-        unsafe {
-            self.core
-                .zero_copy(&[stream], T::DTYPE, count, &reg.table_ptrs(), &o, algo)
-        }
+        // SAFETY: every output holds >= count elements (checked above).
+        unsafe { self.core.registered(&[stream], reg, count, &o, algo) }
     }
 
     /// Reports an error a kernel of this group has recorded so far (a peer
