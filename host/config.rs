@@ -1,14 +1,15 @@
 //! The settings of a group ([`Config`]) and of `Auto` ([`Thresholds`]),
 //! and the words a caller uses for them ([`AlgoChoice`], [`Link`]).
 
-use crate::abi::{Algorithm, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
+use crate::abi::{Algorithm, Signal, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
+use crate::ll::LL_PACK_BYTES;
 use std::time::Duration;
 
 /// What the caller asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AlgoChoice {
-    /// By the [`Thresholds`] for this world size and link: push for the
-    /// smallest messages, one-stage, then two-stage.
+    /// By the [`Thresholds`] for this world size and link: push_ll and
+    /// push for the smallest messages, one-stage, then two-stage.
     #[default]
     Auto,
     OneStage,
@@ -16,6 +17,10 @@ pub enum AlgoChoice {
     /// Needs the message to fit `Config::push_max_bytes` (staged calls are
     /// chunked to it).
     Push,
+    /// Push with flag-in-data lines (one one-way trip, twice the bytes).
+    /// Needs the message to fit `Config::push_ll_max_bytes` (staged calls
+    /// are chunked to it).
+    PushLl,
 }
 
 impl From<Algorithm> for AlgoChoice {
@@ -24,6 +29,7 @@ impl From<Algorithm> for AlgoChoice {
             Algorithm::OneStage => AlgoChoice::OneStage,
             Algorithm::TwoStage => AlgoChoice::TwoStage,
             Algorithm::Push => AlgoChoice::Push,
+            Algorithm::PushLl => AlgoChoice::PushLl,
         }
     }
 }
@@ -49,6 +55,9 @@ pub struct Thresholds {
     pcie: [usize; MAX_RANKS + 1],
     /// Largest message that `Auto` pushes, per link (all world sizes).
     push: [usize; 3],
+    /// Largest message that `Auto` runs as push_ll, per link (all world
+    /// sizes); checked before `push`.
+    push_ll: [usize; 3],
 }
 
 impl Default for Thresholds {
@@ -92,6 +101,8 @@ impl Default for Thresholds {
             // 4 KiB, even at 128 KiB); PCIe not measured yet, so not by
             // `Auto` (explicit `AlgoChoice::Push` works everywhere).
             push: [0, 64 * K, 0],
+            // Not measured yet: off until the runs in docs/benchmarks.md.
+            push_ll: [0, 0, 0],
         }
     }
 }
@@ -114,6 +125,18 @@ impl Thresholds {
     /// Sets where `Auto` stops pushing over `link`.
     pub fn set_push_max(&mut self, link: Link, bytes: usize) {
         self.push[link_index(link)] = bytes;
+    }
+
+    /// The largest message (bytes) that `Auto` runs as
+    /// [`Algorithm::PushLl`] over `link` (and only if it fits
+    /// `Config::push_ll_max_bytes`).
+    pub fn push_ll_max(&self, link: Link) -> usize {
+        self.push_ll[link_index(link)]
+    }
+
+    /// Sets where `Auto` stops using push_ll over `link`.
+    pub fn set_push_ll_max(&mut self, link: Link, bytes: usize) {
+        self.push_ll[link_index(link)] = bytes;
     }
 
     fn table(&self, link: Link) -> &[usize; MAX_RANKS + 1] {
@@ -150,25 +173,29 @@ impl Thresholds {
     /// The algorithm for a message of `bytes` bytes: the explicit choice, or
     /// under `Auto` one-stage up to [`Thresholds::one_stage_max`].
     pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, link: Link) -> Algorithm {
-        self.choose_fitting(choice, bytes, world, link, true)
+        self.choose_fitting(choice, bytes, world, link, (usize::MAX, usize::MAX))
     }
 
-    /// [`Thresholds::choose`], where `Auto` may push only if `push_fits`
-    /// (the message fits the group's landing zones).
+    /// [`Thresholds::choose`], where `Auto` may push (push_ll) only a
+    /// message of at most `caps.0` (`caps.1`) bytes: what fits the group's
+    /// landing zones.
     fn choose_fitting(
         &self,
         choice: AlgoChoice,
         bytes: usize,
         world: usize,
         link: Link,
-        push_fits: bool,
+        caps: (usize, usize),
     ) -> Algorithm {
         match choice {
             AlgoChoice::OneStage => Algorithm::OneStage,
             AlgoChoice::TwoStage => Algorithm::TwoStage,
             AlgoChoice::Push => Algorithm::Push,
+            AlgoChoice::PushLl => Algorithm::PushLl,
             AlgoChoice::Auto => {
-                if push_fits && world > 1 && bytes <= self.push_max(link) {
+                if world > 1 && bytes <= caps.1 && bytes <= self.push_ll_max(link) {
+                    Algorithm::PushLl
+                } else if world > 1 && bytes <= caps.0 && bytes <= self.push_max(link) {
                     Algorithm::Push
                 } else if bytes <= self.one_stage_max(link, world) {
                     Algorithm::OneStage
@@ -219,6 +246,11 @@ pub struct Config {
     /// bytes of it. Larger messages are pushed in chunks (staged) or not
     /// pushed (zero-copy; `Auto` picks another algorithm).
     pub push_max_bytes: usize,
+    /// Capacity (message bytes per source) of each rank's landing zone for
+    /// [`Algorithm::PushLl`], whose lines carry 8 data bytes in 16: every
+    /// rank holds `4 * world * push_ll_max_bytes` bytes of it. Larger
+    /// messages are sent in chunks (staged) or not by push_ll (zero-copy).
+    pub push_ll_max_bytes: usize,
     /// With the `nccl` feature and NCCL enabled on a `PeerGroup`: messages
     /// larger than this many bytes go to NCCL under `AlgoChoice::Auto`.
     /// `None` (the default) never hands over: NCCL's results are not
@@ -235,6 +267,7 @@ impl Default for Config {
             max_blocks: None,
             chunking: true,
             push_max_bytes: 256 << 10,
+            push_ll_max_bytes: 64 << 10,
             nccl_above: None,
             thresholds: Thresholds::default(),
         }
@@ -244,15 +277,40 @@ impl Default for Config {
 impl Config {
     /// The algorithm for a message of `bytes` bytes under these settings:
     /// [`Thresholds::choose`], except that `Auto` never pushes a message
-    /// larger than `push_max_bytes` (it would not fit the landing zones).
+    /// larger than `push_max_bytes` (push_ll: `push_ll_max_bytes`): it would
+    /// not fit the landing zones.
     pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, link: Link) -> Algorithm {
+        let caps = (self.push_max_bytes, self.push_ll_max_bytes);
         self.thresholds
-            .choose_fitting(choice, bytes, world, link, bytes <= self.push_max_bytes)
+            .choose_fitting(choice, bytes, world, link, caps)
     }
 
-    /// Bytes of each rank's landing zone in a group of `world` ranks.
+    /// Bytes of one source's part of push_ll's landing zone: two lines
+    /// (32 bytes) per 16-byte pack.
+    fn push_ll_part(&self) -> usize {
+        self.push_ll_max_bytes / PACK_BYTES * LL_PACK_BYTES
+    }
+
+    /// Bytes of each rank's landing zones (push's, then push_ll's) in a
+    /// group of `world` ranks.
     pub(crate) fn landing_bytes(&self, world: usize) -> usize {
-        2 * world * self.push_max_bytes
+        2 * world * (self.push_max_bytes + self.push_ll_part())
+    }
+
+    /// Where `algo`'s landing zone starts in a signal allocation of a
+    /// `world`-rank group, and the bytes of one source's part of it
+    /// (`LaunchArgs::landing_offset`, `landing_part`; zeros for the pull
+    /// algorithms, which have none).
+    pub(crate) fn landing(&self, algo: Algorithm, world: usize) -> (u64, u64) {
+        let push_zone = Signal::LANDING_OFFSET;
+        match algo {
+            Algorithm::Push => (push_zone as u64, self.push_max_bytes as u64),
+            Algorithm::PushLl => (
+                (push_zone + 2 * world * self.push_max_bytes) as u64,
+                self.push_ll_part() as u64,
+            ),
+            Algorithm::OneStage | Algorithm::TwoStage => (0, 0),
+        }
     }
 
     /// The default settings with buffers of `max_bytes` per rank.
@@ -283,6 +341,12 @@ impl Config {
             return Err(format!(
                 "push_max_bytes = {}: use a positive multiple of {PACK_BYTES}",
                 self.push_max_bytes
+            ));
+        }
+        if self.push_ll_max_bytes < PACK_BYTES || self.push_ll_max_bytes % PACK_BYTES != 0 {
+            return Err(format!(
+                "push_ll_max_bytes = {}: use a positive multiple of {PACK_BYTES}",
+                self.push_ll_max_bytes
             ));
         }
         if self.threads_per_block < 32

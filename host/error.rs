@@ -151,6 +151,13 @@ pub enum Error {
     PushTooLarge { bytes: usize, capacity: usize },
 
     #[error(
+        "a push_ll allreduce of {bytes} bytes over zero-copy inputs does not fit the LL landing zones \
+         ({capacity} bytes of data per source): use AlgoChoice::Auto, Push or OneStage (same bits), or \
+         a group with Config::push_ll_max_bytes >= {bytes}"
+    )]
+    PushLlTooLarge { bytes: usize, capacity: usize },
+
+    #[error(
         "ranks {a} and {b} were given the same stream: each rank needs its own stream (ranks that share a \
          GPU run concurrently and wait for each other at barriers)"
     )]

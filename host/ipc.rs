@@ -17,14 +17,14 @@ use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
 const MAGIC: u32 = 0x7032_7061; // "p2pa"
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 pub(crate) const HANDLE: usize = IPC_HANDLE_BYTES;
 /// Bytes of the PCI bus id field (`dddd:bb:dd.f`, NUL padded).
 const BUS_ID: usize = 16;
 /// magic, version, world, rank, pid, reserved (u32 each), max_bytes,
-/// timeout_ns, threads/blocks, push_max_bytes (u64 each), 3 IPC handles,
-/// the PCI bus id.
-const U64S: usize = 4;
+/// timeout_ns, threads/blocks, push_max_bytes, push_ll_max_bytes (u64
+/// each), 3 IPC handles, the PCI bus id.
+const U64S: usize = 5;
 const HANDLES_AT: usize = 6 * 4 + U64S * 8;
 const RECORD: usize = HANDLES_AT + 3 * HANDLE + BUS_ID;
 
@@ -37,6 +37,7 @@ struct Record {
     timeout_ns: u64,
     launch: u64,
     push_max: u64,
+    push_ll_max: u64,
     handles: [[u8; HANDLE]; 3],
 }
 
@@ -46,7 +47,13 @@ impl Record {
         for x in [MAGIC, VERSION, self.world, self.rank, self.pid, 0] {
             v.extend_from_slice(&x.to_le_bytes());
         }
-        for x in [self.max_bytes, self.timeout_ns, self.launch, self.push_max] {
+        for x in [
+            self.max_bytes,
+            self.timeout_ns,
+            self.launch,
+            self.push_max,
+            self.push_ll_max,
+        ] {
             v.extend_from_slice(&x.to_le_bytes());
         }
         for h in &self.handles {
@@ -91,6 +98,7 @@ impl Record {
             timeout_ns: u64_at(1),
             launch: u64_at(2),
             push_max: u64_at(3),
+            push_ll_max: u64_at(4),
             handles,
         })
     }
@@ -144,6 +152,7 @@ pub(crate) fn rendezvous(
         timeout_ns: config.timeout_ns(),
         launch: (config.threads_per_block as u64) << 32 | config.max_blocks.unwrap_or(0) as u64,
         push_max: config.push_max_bytes as u64,
+        push_ll_max: config.push_ll_max_bytes as u64,
         handles: [
             driver::ipc_export(ctx, own.staging.ptr())?,
             driver::ipc_export(ctx, own.scratch.ptr())?,
@@ -174,11 +183,20 @@ pub(crate) fn rendezvous(
                 rec.rank, rec.world
             )));
         }
-        if (rec.max_bytes, rec.timeout_ns, rec.launch, rec.push_max)
-            != (mine.max_bytes, mine.timeout_ns, mine.launch, mine.push_max)
-        {
+        let settings = |r: &Record| {
+            (
+                r.max_bytes,
+                r.timeout_ns,
+                r.launch,
+                r.push_max,
+                r.push_ll_max,
+            )
+        };
+        if settings(&rec) != settings(&mine) {
             return Err(mismatch(
-                "Config (max_bytes, timeout, threads_per_block, max_blocks, push_max_bytes) differs".into(),
+                "Config (max_bytes, timeout, threads_per_block, max_blocks, push_max_bytes, \
+                 push_ll_max_bytes) differs"
+                    .into(),
             ));
         }
         if p == rank {

@@ -68,6 +68,7 @@ pub(crate) unsafe fn launch_step(
         });
     }
     let size = step.entry.dtype.size() as u64;
+    let (landing_offset, landing_part) = config.landing(step.entry.algorithm, world);
     let mut args = LaunchArgs {
         table: target.table,
         signals: *target.signals,
@@ -76,7 +77,8 @@ pub(crate) unsafe fn launch_step(
         rank,
         absent_ranks: target.absent,
         host_error: target.host_error,
-        landing_part: config.push_max_bytes as u64,
+        landing_part,
+        landing_offset,
         ..Default::default()
     };
     for r in 0..world {

@@ -33,6 +33,7 @@
 pub use p2p_allreduce_device as device;
 pub use p2p_allreduce_device::abi;
 pub use p2p_allreduce_device::abi::{Algorithm, Dtype};
+pub use p2p_allreduce_device::ll;
 
 /// The cudarc this crate is built against (its types are in every
 /// signature): use it instead of guessing the matching version.

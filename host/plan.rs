@@ -23,7 +23,7 @@ pub fn blocks_for(
 ) -> u32 {
     let packs = count.div_ceil(dtype.lanes()).max(1);
     let work = match algo {
-        Algorithm::OneStage | Algorithm::Push => packs,
+        Algorithm::OneStage | Algorithm::Push | Algorithm::PushLl => packs,
         Algorithm::TwoStage => packs.div_ceil(world.max(1)),
     };
     (work.div_ceil(threads as usize) as u32).clamp(1, max_blocks)
@@ -91,10 +91,10 @@ impl Plan {
         let chunk = match request.inputs {
             Inputs::Staged => {
                 // A push chunk must fit the landing zones as well.
-                let cap = if algorithm == Algorithm::Push {
-                    config.max_bytes.min(config.push_max_bytes)
-                } else {
-                    config.max_bytes
+                let cap = match algorithm {
+                    Algorithm::Push => config.max_bytes.min(config.push_max_bytes),
+                    Algorithm::PushLl => config.max_bytes.min(config.push_ll_max_bytes),
+                    Algorithm::OneStage | Algorithm::TwoStage => config.max_bytes,
                 };
                 if bytes > cap && !config.chunking {
                     return Err(Error::MessageTooLarge {
@@ -109,6 +109,12 @@ impl Plan {
                     return Err(Error::PushTooLarge {
                         bytes,
                         capacity: config.push_max_bytes,
+                    });
+                }
+                if algorithm == Algorithm::PushLl && bytes > config.push_ll_max_bytes {
+                    return Err(Error::PushLlTooLarge {
+                        bytes,
+                        capacity: config.push_ll_max_bytes,
                     });
                 }
                 if algorithm == Algorithm::TwoStage && bytes > config.max_bytes {

@@ -254,6 +254,7 @@ impl ProcessGroup {
             AlgoChoice::OneStage => 1,
             AlgoChoice::TwoStage => 2,
             AlgoChoice::Push => 3,
+            AlgoChoice::PushLl => 4,
         };
         let mut mine = vec![T::DTYPE as u32 as u8, code(algo)];
         mine.extend_from_slice(&(input.len() as u64).to_le_bytes());

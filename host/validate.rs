@@ -100,16 +100,19 @@ pub fn algo_name(a: AlgoChoice) -> &'static str {
         AlgoChoice::OneStage => "one_stage",
         AlgoChoice::TwoStage => "two_stage",
         AlgoChoice::Push => "push",
+        AlgoChoice::PushLl => "push_ll",
     }
 }
 
-/// Parses `one_stage`, `two_stage`, `push` or `auto` (also `1`, `2`, `one`, `two`).
+/// Parses `one_stage`, `two_stage`, `push`, `push_ll` or `auto` (also `1`,
+/// `2`, `one`, `two`, `ll`).
 pub fn parse_algo(s: &str) -> Option<AlgoChoice> {
     match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
         "auto" => Some(AlgoChoice::Auto),
         "one_stage" | "one" | "1" | "onestage" => Some(AlgoChoice::OneStage),
         "two_stage" | "two" | "2" | "twostage" => Some(AlgoChoice::TwoStage),
         "push" => Some(AlgoChoice::Push),
+        "push_ll" | "pushll" | "ll" => Some(AlgoChoice::PushLl),
         _ => None,
     }
 }
@@ -382,6 +385,7 @@ mod tests {
             AlgoChoice::OneStage,
             AlgoChoice::TwoStage,
             AlgoChoice::Push,
+            AlgoChoice::PushLl,
         ] {
             assert_eq!(parse_algo(algo_name(a)), Some(a));
         }

@@ -18,6 +18,7 @@ use p2p_allreduce::device::numeric::{
 use p2p_allreduce::device::reduce::{
     partition, reduce_pack, reduce_pack_dyn, reduce_scalar, split,
 };
+use p2p_allreduce::ll;
 use p2p_allreduce::reference::{self, as_slices, fmt_bits, values};
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -288,6 +289,46 @@ fn model<E: Element>(
                 }
             }
             tail(&mut out);
+            outputs = vec![out; n];
+        }
+        Algorithm::PushLl => {
+            // Thread g owns packs g, g + stride, ...: each travels as
+            // flag-in-data lines (the last one zero-padded past `count`),
+            // is decoded by the receiver, reduced in rank order, and only
+            // its elements below `count` are stored.
+            let epoch = 7;
+            let packs = count.div_ceil(lanes);
+            let mut out = fresh();
+            for g in 0..stride {
+                let mut i = g;
+                while i < packs {
+                    let v: Vec<Pack> = inputs
+                        .iter()
+                        .map(|x| {
+                            let mut p = [0u32; 4];
+                            for k in 0..lanes.min(count - i * lanes) {
+                                let bits = load_elem::<E>(x, i * lanes + k);
+                                if lanes == 4 {
+                                    p[k as usize] = bits;
+                                } else {
+                                    p[(k / 2) as usize] |= bits << (16 * (k % 2));
+                                }
+                            }
+                            ll::decode(&ll::encode(p, epoch), epoch).expect("same epoch")
+                        })
+                        .collect();
+                    let r = reduce_packs::<E>(&v);
+                    for k in 0..lanes.min(count - i * lanes) {
+                        let bits = if lanes == 4 {
+                            r[k as usize]
+                        } else {
+                            (r[(k / 2) as usize] >> (16 * (k % 2))) & 0xffff
+                        };
+                        store_elem::<E>(&mut out, i * lanes + k, bits);
+                    }
+                    i += stride;
+                }
+            }
             outputs = vec![out; n];
         }
         Algorithm::TwoStage => {

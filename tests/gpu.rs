@@ -260,6 +260,7 @@ fn group(g: &Gpu, world: usize) -> VirtualGroup {
             max_bytes: 8 << 20,
             // Registered cases push up to the longest property case.
             push_max_bytes: 8 << 20,
+            push_ll_max_bytes: 8 << 20,
             ..Config::default()
         },
     )
@@ -1131,6 +1132,7 @@ fn peer_case<T: Bits>(
     let fits = match algo {
         Algorithm::TwoStage => bytes <= grp.config().max_bytes,
         Algorithm::Push => bytes <= grp.config().push_max_bytes,
+        Algorithm::PushLl => bytes <= grp.config().push_ll_max_bytes,
         Algorithm::OneStage => true,
     };
     if !fits {
@@ -1138,7 +1140,9 @@ fn peer_case<T: Bits>(
         assert!(
             matches!(
                 r,
-                Err(Error::ScratchTooSmall { .. }) | Err(Error::PushTooLarge { .. })
+                Err(Error::ScratchTooSmall { .. })
+                    | Err(Error::PushTooLarge { .. })
+                    | Err(Error::PushLlTooLarge { .. })
             ),
             "{what}: expected a refusal, got {r:?}"
         );
@@ -1272,10 +1276,11 @@ fn peer_group_graphs(g: &Gpu) {
     );
 }
 
-/// Push collectives back to back on the streams (no host sync between
-/// them) whose grids differ: a 1-block message between chunked many-block
-/// ones. Every block must pick the same landing slot in a collective, or a
-/// fast peer writes the slot a slower rank still reads.
+/// Push and push_ll collectives, interleaved, back to back on the streams
+/// (no host sync between them) whose grids differ: a 1-block message
+/// between chunked many-block ones. Every block must pick the same landing
+/// slot in a collective, or a fast peer writes the slot a slower rank still
+/// reads; and push's raw data must never pass for push_ll's lines.
 fn push_changing_grids(g: &Gpu) {
     let ctxs = all_gpus(g);
     let place: Vec<usize> = if ctxs.len() >= 2 {
@@ -1302,10 +1307,15 @@ fn push_changing_grids(g: &Gpu) {
             .collect();
         let mut outs: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
         let in_refs: Vec<&CudaSlice<f32>> = ins.iter().collect();
+        let algo = if it % 2 == 0 {
+            Algorithm::Push
+        } else {
+            Algorithm::PushLl
+        };
         let used = grp
-            .allreduce(&streams, &in_refs, &mut outs, AlgoChoice::Push)
+            .allreduce(&streams, &in_refs, &mut outs, algo.into())
             .expect("push");
-        assert_eq!(used, Algorithm::Push);
+        assert_eq!(used, algo);
         runs.push((len, ins, outs, want));
     }
     grp.check(&streams).expect("check");
@@ -1316,14 +1326,14 @@ fn push_changing_grids(g: &Gpu) {
             .map(|(o, s)| download_on(s, o, *len))
             .collect();
         assert_ranks(
-            &format!("push call {k} (len {len})"),
+            &format!("push/push_ll call {k} (len {len})"),
             Dtype::F32,
             &got,
             want,
         );
     }
     println!(
-        "  PeerGroup on GPUs {place:?}: 24 push calls back to back, 1-block and chunked 32-block grids interleaved, bit-exact"
+        "  PeerGroup on GPUs {place:?}: 24 push and push_ll calls back to back, 1-block and chunked many-block grids interleaved, bit-exact"
     );
 }
 

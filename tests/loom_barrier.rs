@@ -17,6 +17,14 @@
 //!   `epoch % 2` as in the kernels (`allreduce_push`), start barrier, then
 //!   the sum, in rank order, of its own input and the peers' parts of its
 //!   own landing zone.
+//! - push_ll: no barrier; its input, as flag-in-data packs
+//!   (`device::ll::encode`, four 8-byte words each carrying the epoch),
+//!   into its part of every peer's LL zone (slot `epoch % 2`), then, per
+//!   pack and source in rank order, the kernels' own wait
+//!   (`device::ll::wait_pack`) on its own zone and the sum. Each word is a
+//!   relaxed loom `AtomicU64`, loaded and stored one by one: PTX models a
+//!   vector access as independent accesses of its elements, so a reader
+//!   may see any subset of a pack's new words.
 //!
 //! Which barriers run and with which order is read from the protocol table
 //! the kernels use (`device::barrier::{barriers, order}`,
@@ -72,13 +80,14 @@
 
 use loom::cell::UnsafeCell;
 use loom::model::Builder;
-use loom::sync::atomic::{fence, AtomicU32, Ordering};
+use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use loom::sync::Arc;
 use p2p_allreduce::abi::{error_code, Algorithm, BarrierKind, ErrorRecord};
 use p2p_allreduce::device::barrier::{
     arrive_ordered, barriers, next_epoch, order, runs, wait_ordered, Clock, FlagWord, Order, Wait,
     POLLS_PER_CLOCK_READ,
 };
+use p2p_allreduce::device::ll::{self, Lines, PackSlot};
 use p2p_allreduce::device::reduce::partition;
 
 /// A flag word in loom's memory model.
@@ -118,6 +127,69 @@ impl Clock for StepClock {
     }
 }
 
+/// One pack of a push_ll landing zone: the four words of
+/// `device::ll::Lines`, and a separate flag word that only the must-fail
+/// layout [`LlLayout::FlagAfterData`] uses.
+struct LlPack {
+    words: [AtomicU64; 4],
+    flag: AtomicU32,
+}
+
+/// Where a push_ll pack keeps its epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LlLayout {
+    /// The kernels': in every word, next to the data it vouches for.
+    InEveryWord,
+    /// A must-fail variant: plain data words, then one flag word stored
+    /// after them (relaxed, as no fence is used), read before them.
+    FlagAfterData,
+}
+
+/// A pack as the shared protocol code sees it.
+struct LlView<'a> {
+    pack: &'a LlPack,
+    layout: LlLayout,
+}
+
+impl PackSlot for LlView<'_> {
+    fn load(&self) -> Lines {
+        let w = &self.pack.words;
+        match self.layout {
+            LlLayout::InEveryWord => {
+                let l = |k: usize| w[k].load(Ordering::Relaxed);
+                [[l(0), l(1)], [l(2), l(3)]]
+            }
+            LlLayout::FlagAfterData => {
+                let f = (self.pack.flag.load(Ordering::Relaxed) as u64) << 32;
+                let l = |k: usize| (w[k].load(Ordering::Relaxed) & 0xffff_ffff) | f;
+                [[l(0), l(1)], [l(2), l(3)]]
+            }
+        }
+    }
+    fn store(&self, lines: Lines) {
+        let w = &self.pack.words;
+        let flat = [lines[0][0], lines[0][1], lines[1][0], lines[1][1]];
+        match self.layout {
+            LlLayout::InEveryWord => {
+                for (k, v) in flat.into_iter().enumerate() {
+                    w[k].store(v, Ordering::Relaxed);
+                }
+            }
+            LlLayout::FlagAfterData => {
+                for (k, v) in flat.into_iter().enumerate() {
+                    w[k].store(v & 0xffff_ffff, Ordering::Relaxed);
+                }
+                self.pack
+                    .flag
+                    .store((flat[0] >> 32) as u32, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Data elements per push_ll pack in the model (one u32 per word).
+const LL_LANES: usize = 4;
+
 /// The error record a rank claims in its own signal, as the kernels do:
 /// a compare-and-swap on the code claims it, then the fields are written.
 struct ErrorSlot {
@@ -140,6 +212,9 @@ struct RankMem {
     /// `[slot 0..2][source 0..world][element 0..len]`, as in the kernels
     /// (`abi::Signal::LANDING_OFFSET`), element-wise instead of in packs.
     landing: Vec<UnsafeCell<u32>>,
+    /// push_ll: `[slot 0..2][source 0..world][pack]`, packs of
+    /// [`LL_LANES`] elements (the kernels' `ll::slot` layout).
+    ll: Vec<LlPack>,
 }
 
 impl RankMem {
@@ -160,7 +235,25 @@ impl RankMem {
             scratch: cells(len),
             // Not `cells`: loom then names this line for a race here.
             landing: (0..2 * world * len).map(|_| UnsafeCell::new(0)).collect(),
+            ll: (0..2 * world * len.div_ceil(LL_LANES))
+                .map(|_| LlPack {
+                    words: [0; 4].map(AtomicU64::new),
+                    flag: AtomicU32::new(0),
+                })
+                .collect(),
         }
+    }
+    /// Pack `i` of source `src`'s part of the LL zone's slot for `epoch`.
+    fn ll_pack(&self, epoch: u32, slots: u32, src: usize, i: usize) -> &LlPack {
+        let packs = self.len.div_ceil(LL_LANES) as u64;
+        // The kernels' layout (`ll::slot`), in packs instead of bytes, with
+        // the slot count of the protocol (2 in the kernels).
+        let part = if slots == 2 {
+            ll::slot(epoch, self.world as u64, src as u64, packs)
+        } else {
+            ((epoch % slots) as u64 * self.world as u64 + src as u64) * packs
+        };
+        &self.ll[part as usize + i]
     }
     /// Element `i` of source `src`'s part of landing slot `slot`.
     fn landing(&self, slot: usize, src: usize, i: usize) -> &UnsafeCell<u32> {
@@ -233,6 +326,11 @@ struct Protocol {
     landing_slots: u32,
     /// How a wait decides that a peer arrived.
     wait: WaitRule,
+    /// push_ll only: where a pack keeps its epoch.
+    ll_layout: LlLayout,
+    /// push_ll only, a must-fail variant: every collective's packs carry
+    /// this epoch instead of their own.
+    ll_fixed_epoch: Option<u32>,
 }
 
 /// The arrival test of a wait.
@@ -305,6 +403,8 @@ impl Protocol {
             late: None,
             landing_slots: 2,
             wait: WaitRule::Reached,
+            ll_layout: LlLayout::InEveryWord,
+            ll_fixed_epoch: None,
         }
     }
 
@@ -537,9 +637,102 @@ impl<'a> Rank<'a> {
         acc
     }
 
+    /// The epoch push_ll packs of collective `epoch` carry.
+    fn ll_epoch(&self, epoch: u32) -> u32 {
+        self.p.ll_fixed_epoch.unwrap_or(epoch)
+    }
+
+    /// push_ll, phase 1: this rank's input, pack by pack, into its part of
+    /// every peer's LL zone (its own part is never written).
+    fn push_ll_to_peers(&self, epoch: u32) {
+        let own = &self.world[self.me];
+        for i in 0..self.p.len.div_ceil(LL_LANES) {
+            let mut pack = [0u32; 4];
+            for (k, v) in pack.iter_mut().enumerate() {
+                if let Some(cell) = own.input.get(i * LL_LANES + k) {
+                    *v = Self::read(cell);
+                }
+            }
+            let lines = ll::encode(pack, self.ll_epoch(epoch));
+            for (peer, mem) in self.world.iter().enumerate() {
+                if peer != self.me {
+                    let pack = mem.ll_pack(epoch, self.p.landing_slots, self.me, i);
+                    LlView {
+                        pack,
+                        layout: self.p.ll_layout,
+                    }
+                    .store(lines);
+                }
+            }
+        }
+    }
+
+    /// push_ll, phase 2: per pack, every source in rank order (its own
+    /// from its input, the others waited for in its LL zone with the
+    /// kernels' `ll::wait_pack`), each element checked to hold collective
+    /// `c`'s value, added into `out`.
+    fn reduce_ll(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
+        let own = &self.world[self.me];
+        for i in 0..self.p.len.div_ceil(LL_LANES) {
+            let mut acc = [0u32; LL_LANES];
+            for src in 0..self.p.world {
+                let pack = if src == self.me {
+                    let mut p = [0u32; 4];
+                    for (k, v) in p.iter_mut().enumerate() {
+                        if let Some(cell) = own.input.get(i * LL_LANES + k) {
+                            *v = Self::read(cell);
+                        }
+                    }
+                    p
+                } else {
+                    let view = LlView {
+                        pack: own.ll_pack(epoch, self.p.landing_slots, src, i),
+                        layout: self.p.ll_layout,
+                    };
+                    let want = self.ll_epoch(epoch);
+                    match ll::wait_pack(&view, want, self.p.timeout_ns, &mut self.clock) {
+                        Some(p) => p,
+                        None => {
+                            record_error(own, self.me, src, epoch, BarrierKind::Start);
+                            return Err(Stop::TimedOut);
+                        }
+                    }
+                };
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let idx = i * LL_LANES + k;
+                    if idx < self.p.len {
+                        assert_eq!(
+                            pack[k],
+                            input_value(c, src, idx),
+                            "rank {} collective {c}: LL pack {i} of source {src} element {idx} \
+                             is stale",
+                            self.me
+                        );
+                        *a = a.wrapping_add(pack[k]);
+                    }
+                }
+            }
+            for (k, a) in acc.into_iter().enumerate() {
+                if let Some(o) = out.get_mut(i * LL_LANES + k) {
+                    *o = a;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// One kernel: the collective `c` with this rank's input in place.
     fn kernel(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
         let (n, len) = (self.p.world, self.p.len);
+        if self.p.algo == Algorithm::PushLl {
+            // No barrier: a rank told to die at Start leaves before it
+            // sends anything, as `absent_ranks` makes the kernel do.
+            if self.p.dies == Some((self.me, c, BarrierKind::Start)) {
+                return Err(Stop::Died);
+            }
+            self.push_ll_to_peers(epoch);
+            return self.reduce_ll(c, epoch, out);
+        }
         if self.p.algo == Algorithm::Push {
             self.push_to_peers(epoch);
         }
@@ -555,6 +748,7 @@ impl<'a> Rank<'a> {
                     *o = self.reduce(c, i);
                 }
             }
+            Algorithm::PushLl => unreachable!("push_ll returned above"),
             Algorithm::TwoStage => {
                 let (s, e) = partition(len as u64, n as u32, self.me as u32);
                 for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
@@ -1162,4 +1356,103 @@ fn push_landing_slot_alternates_at_epoch_wrap() {
         ..Protocol::kernels(2, 1, 2, Algorithm::Push)
     };
     model_completes(p, 2);
+}
+
+// push_ll: the flag-in-data protocol (`device::ll`), no barrier.
+
+#[test]
+fn kernels_push_ll_two_ranks_three_collectives() {
+    model_completes(Protocol::kernels(2, 2, 3, Algorithm::PushLl), 1);
+}
+
+/// Five elements: two packs, the second padded. (Search bounds for
+/// push_ll: every poll is four atomic loads, each a branch point, so the
+/// models stay smaller than push's: one preemption for two ranks and one
+/// pack, none otherwise; loom still explores every value each relaxed load
+/// may return, which is where a torn pack would show. No three-rank model:
+/// with no barrier, what a rank reads from a peer depends on that peer's
+/// writes and stream order only, so the protocol is pairwise; a three-rank
+/// model of one collective did not finish in 5 minutes.)
+#[test]
+fn kernels_push_ll_two_ranks_two_packs() {
+    model_completes(Protocol::kernels(2, 5, 1, Algorithm::PushLl), 0);
+}
+
+/// Across the epoch wrap the slots still alternate and equality still
+/// tells this collective's packs from the ones two collectives back.
+#[test]
+fn push_ll_across_epoch_wrap() {
+    let p = Protocol {
+        epoch_before: u32::MAX - 2,
+        ..Protocol::kernels(2, 1, 4, Algorithm::PushLl)
+    };
+    model_completes(p, 0);
+}
+
+/// A peer whose packs never come: the wait ends at the timeout with a
+/// record naming it, the epoch and Start (the data is the arrival).
+#[test]
+fn push_ll_dead_peer_times_out_with_record() {
+    let p = Protocol {
+        timeout_ns: TIMEOUT_NS,
+        dies: Some((1, 1, BarrierKind::Start)),
+        ..Protocol::kernels(2, 1, 2, Algorithm::PushLl)
+    };
+    model_with_fault(p, 2, |o| {
+        assert_eq!(o[1], Outcome::Died);
+        assert_eq!(
+            o[0],
+            Outcome::Failed(timeout_record(0, 1, 2, BarrierKind::Start))
+        );
+    });
+}
+
+/// The control for the must-fail variants below: the kernels' protocol
+/// with a timeout never times out.
+#[test]
+fn push_ll_with_timeout_never_times_out() {
+    let p = Protocol {
+        timeout_ns: TIMEOUT_NS,
+        ..Protocol::kernels(2, 1, 3, Algorithm::PushLl)
+    };
+    model_completes(p, 0);
+}
+
+/// With one slot, a peer one collective ahead overwrites the pack this
+/// rank still waits for with the next epoch's: equality never holds again
+/// and the wait times out (or, without a timeout, hangs).
+#[test]
+fn push_ll_with_one_slot_is_caught() {
+    let p = Protocol {
+        landing_slots: 1,
+        timeout_ns: TIMEOUT_NS,
+        ..Protocol::kernels(2, 1, 2, Algorithm::PushLl)
+    };
+    let msg = model_failure(p, 2);
+    assert!(
+        msg.contains("Failed") || msg.contains("is stale"),
+        "unexpected failure: {msg}"
+    );
+}
+
+/// Packs that carry the same epoch in every collective: a pack left two
+/// collectives back passes for this one's.
+#[test]
+fn push_ll_with_a_fixed_epoch_is_caught() {
+    let p = Protocol {
+        ll_fixed_epoch: Some(1),
+        ..Protocol::kernels(2, 1, 3, Algorithm::PushLl)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// One flag word stored after plain data words, with no fence: a reader
+/// can see the new flag and old data.
+#[test]
+fn push_ll_with_flag_after_data_is_caught() {
+    let p = Protocol {
+        ll_layout: LlLayout::FlagAfterData,
+        ..Protocol::kernels(2, 1, 2, Algorithm::PushLl)
+    };
+    assert_race(&model_failure(p, 2));
 }

@@ -33,7 +33,7 @@ fn target_matches_arch() {
 fn every_entry_is_present_with_one_launch_args_parameter() {
     for m in MODULES {
         let entries = Entry::all();
-        assert_eq!(entries.len(), 144);
+        assert_eq!(entries.len(), 192);
         for e in entries {
             let name = e.name();
             let decl = format!(".entry {name}(");
@@ -50,7 +50,7 @@ fn every_entry_is_present_with_one_launch_args_parameter() {
             );
         }
         let count = m.ptx.matches(".entry ").count();
-        assert_eq!(count, 144, "{}: unexpected extra entries", m.arch);
+        assert_eq!(count, 192, "{}: unexpected extra entries", m.arch);
     }
 }
 
@@ -108,7 +108,7 @@ fn ptxas_assembles_every_arch_without_spills() {
         let report = ptxas::assemble(&ptxas_bin, &file, m.arch).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             report.len(),
-            144,
+            192,
             "{}: ptxas reported {} entries",
             m.arch,
             report.len()

@@ -111,11 +111,14 @@ impl Signal {
         (set * MAX_BLOCKS * MAX_RANKS + block * MAX_RANKS + from) * 4
     }
     pub const EPOCH_OFFSET: usize = 3 * MAX_BLOCKS * MAX_RANKS * 4;
-    /// Where a rank's landing zone starts in its signal allocation: right
-    /// after the [`Signal`]. Layout: `[slot 0..2][source 0..N][part]`, each
-    /// part `LaunchArgs::landing_part` bytes (fixed for the group, at least
-    /// `ceil(count / lanes) * 16`), slot = the collective's epoch parity
-    /// ([`crate::barrier::barriers`] says why two slots suffice).
+    /// Where a rank's landing zones start in its signal allocation: right
+    /// after the [`Signal`], push's first, then push_ll's
+    /// (`LaunchArgs::landing_offset` says where each is). Layout of each:
+    /// `[slot 0..2][source 0..N][part]`, each part `LaunchArgs::landing_part`
+    /// bytes (fixed for the group; at least `ceil(count / lanes) * 16` for
+    /// push and twice that for push_ll), slot = the collective's epoch
+    /// parity ([`crate::barrier::barriers`] and [`crate::ll`] say why two
+    /// slots suffice).
     pub const LANDING_OFFSET: usize = core::mem::size_of::<Signal>();
     pub const ERROR_OFFSET: usize = Self::EPOCH_OFFSET + MAX_BLOCKS * 4;
 }
@@ -158,11 +161,15 @@ pub struct LaunchArgs {
     /// sets to its error code after writing an error record (0: none), so
     /// the host learns of an error without synchronising.
     pub host_error: u64,
-    /// Push only: bytes of one source's part of a landing zone (the same
-    /// on every rank). The layout must not depend on the message: a peer
-    /// one collective ahead writes the other slot while this rank still
-    /// reads this one, and slots of different sizes would overlap.
+    /// Push and PushLl: bytes of one source's part of a landing zone (the
+    /// same on every rank). The layout must not depend on the message: a
+    /// peer one collective ahead writes the other slot while this rank
+    /// still reads this one, and slots of different sizes would overlap.
     pub landing_part: u64,
+    /// Push and PushLl: bytes from the start of every rank's signal
+    /// allocation to the landing zone of this algorithm (the two zones are
+    /// distinct, see [`crate::ll`]).
+    pub landing_offset: u64,
 }
 
 // Layout checks: the host writes these bytes and the PTX reads them.
@@ -176,7 +183,7 @@ const _: () = {
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
     assert!(size_of::<RankTable>() == 128);
-    assert!(size_of::<LaunchArgs>() == 176);
+    assert!(size_of::<LaunchArgs>() == 184);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);
     assert!(offset_of!(LaunchArgs, count) == 136);
@@ -185,6 +192,7 @@ const _: () = {
     assert!(offset_of!(LaunchArgs, absent_ranks) == 156);
     assert!(offset_of!(LaunchArgs, host_error) == 160);
     assert!(offset_of!(LaunchArgs, landing_part) == 168);
+    assert!(offset_of!(LaunchArgs, landing_offset) == 176);
 };
 
 /// Element types the kernels reduce.
@@ -228,15 +236,25 @@ pub enum Algorithm {
     /// writes), then reduces its own landing zone locally: one flag
     /// exchange and no reads of peer memory (small messages).
     Push,
+    /// Push whose arrival signal travels with the data (flag-in-data
+    /// lines, [`crate::ll`]): no flag, no fence, no barrier; one one-way
+    /// trip. Twice the bytes on the wire (the smallest messages).
+    PushLl,
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 3] = [Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Push];
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::OneStage,
+        Algorithm::TwoStage,
+        Algorithm::Push,
+        Algorithm::PushLl,
+    ];
     pub const fn name(self) -> &'static str {
         match self {
             Algorithm::OneStage => "one_stage",
             Algorithm::TwoStage => "two_stage",
             Algorithm::Push => "push",
+            Algorithm::PushLl => "push_ll",
         }
     }
 }

@@ -124,6 +124,39 @@ pub unsafe fn st_pack_streaming(p: *mut Pack, v: Pack) {
     }
 }
 
+/// 16-byte volatile load of two 8-byte words (`ld.volatile.global.v2.u64`):
+/// each word relaxed at system scope and single-copy atomic, never served
+/// from a stale L1 line (the polls of [`crate::ll`]).
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address valid for reads.
+#[inline(always)]
+pub unsafe fn ld_volatile_line(p: *const [u64; 2]) -> [u64; 2] {
+    let (a, b): (u64, u64);
+    // SAFETY: the caller guarantees alignment and validity.
+    unsafe {
+        asm!("ld.volatile.global.v2.u64 {{{a}, {b}}}, [{p}];",
+            p = in(reg64) p, a = out(reg64) a, b = out(reg64) b,
+            options(nostack, readonly));
+    }
+    [a, b]
+}
+
+/// 16-byte volatile store of two 8-byte words (`st.volatile.global.v2.u64`):
+/// each word relaxed at system scope and single-copy atomic.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address valid for writes.
+#[inline(always)]
+pub unsafe fn st_volatile_line(p: *mut [u64; 2], v: [u64; 2]) {
+    // SAFETY: the caller guarantees alignment and validity.
+    unsafe {
+        asm!("st.volatile.global.v2.u64 [{p}], {{{a}, {b}}};",
+            p = in(reg64) p, a = in(reg64) v[0], b = in(reg64) v[1],
+            options(nostack));
+    }
+}
+
 /// `atomicCAS` on a 32-bit word in this GPU's own memory. Never used on
 /// peer memory (PCIe P2P has no remote atomics).
 ///

@@ -1,7 +1,7 @@
 //! The allreduce entry points.
 //!
 //! Every entry takes one [`LaunchArgs`] by value. Names follow
-//! `allreduce_{one_stage|two_stage}_{f32|f16|bf16}_w{N}[_virtual]`; the
+//! `allreduce_{one_stage|two_stage|push|push_ll}_{f32|f16|bf16}_w{N}[_virtual]`; the
 //! host's entry table builds the same names from the same parts.
 //!
 //! Launch contract (checked by the host, and by the kernel where a wrong
@@ -12,7 +12,8 @@
 //! Files: this one holds what every algorithm shares (flags, the barrier,
 //! error records, element and pack loops); `pull.rs` the one-stage and
 //! two-stage entries, which read peers' buffers; `push.rs` the push entries,
-//! which write into peers' landing zones.
+//! which write into peers' landing zones; `push_ll.rs` the push entries whose
+//! data carries its own arrival signal.
 //!
 //! Which barriers run, and with which memory order, comes from the protocol
 //! table in [`crate::barrier`] ([`barriers`](crate::barrier::barriers),
@@ -411,3 +412,4 @@ unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: 
 
 mod pull;
 mod push;
+mod push_ll;

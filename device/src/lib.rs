@@ -5,7 +5,7 @@
 //!   file per architecture), where [`cuda`] and [`kernels`] exist;
 //! - for the host, as a normal dependency of the host library, which uses the
 //!   shared ABI ([`abi`]), the element types ([`numeric`]), the reduction and
-//!   partition functions ([`reduce`]) and the barrier protocol ([`barrier`]).
+//!   partition functions ([`reduce`]) the barrier protocol ([`barrier`]) and the flag-in-data protocol ([`ll`]).
 #![no_std]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(
@@ -15,6 +15,7 @@
 
 pub mod abi;
 pub mod barrier;
+pub mod ll;
 pub mod numeric;
 pub mod reduce;
 

@@ -125,6 +125,7 @@ fn selection(args: &CheckArgs) -> (Vec<Dtype>, Vec<AlgoChoice>, &'static [usize]
             AlgoChoice::OneStage,
             AlgoChoice::TwoStage,
             AlgoChoice::Push,
+            AlgoChoice::PushLl,
             AlgoChoice::Auto,
         ]
     } else {
@@ -416,6 +417,7 @@ fn config_for(lengths: &[usize], max_blocks: Option<u32>) -> Config {
         max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
         // Registered push cases up to the longest length fit the landing zones.
         push_max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
+        push_ll_max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
         max_blocks,
         ..Config::default()
     }

@@ -206,8 +206,9 @@ fn parse_dtype_arg(s: &str) -> Result<Dtype, String> {
 }
 
 fn parse_algo_arg(s: &str) -> Result<AlgoChoice, String> {
-    validate::parse_algo(s)
-        .ok_or_else(|| format!("`{s}` is not an algorithm: use one_stage, two_stage, push or auto"))
+    validate::parse_algo(s).ok_or_else(|| {
+        format!("`{s}` is not an algorithm: use one_stage, two_stage, push, push_ll or auto")
+    })
 }
 
 fn parse_world_arg(s: &str) -> Result<usize, String> {

@@ -14,7 +14,7 @@ use super::*;
 /// read; `a.landing_part` is a multiple of 16 and at least
 /// `ceil(a.count / lanes) * 16`, the same on every rank; and every rank's
 /// signal allocation holds a landing zone of `2 * N * a.landing_part`
-/// bytes after the [`Signal`].
+/// bytes at `a.landing_offset`, past the [`Signal`].
 #[inline(always)]
 unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) {
     if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
@@ -58,7 +58,7 @@ unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) 
     let mut p = 0;
     while p < N {
         dst[p] =
-            pick::<N>(&a.signals, p as u32) + Signal::LANDING_OFFSET as u64 + part(rank as u64);
+            pick::<N>(&a.signals, p as u32) + a.landing_offset + part(rank as u64);
         p += 1;
     }
     let src = own_in as *const Pack;
@@ -120,7 +120,7 @@ unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) 
 
     // Phase 2: reduce this rank's zone in rank order; its own part is its
     // input itself.
-    let zone = own_sig + Signal::LANDING_OFFSET as u64;
+    let zone = own_sig + a.landing_offset;
     let mut from = [0u64; MAX_RANKS];
     let mut r = 0;
     while r < N {

@@ -82,6 +82,7 @@ impl Default for BenchArgs {
                 AlgoChoice::OneStage,
                 AlgoChoice::TwoStage,
                 AlgoChoice::Push,
+                AlgoChoice::PushLl,
                 AlgoChoice::Auto,
             ],
             json: None,

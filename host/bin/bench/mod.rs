@@ -254,7 +254,12 @@ fn sweep_rows(
         let want = (!args.no_check)
             .then(|| validate::reference_for_fill(dtype, &fill_bits[..count], world));
         for &what in whats {
-            if what == What::Kernel(AlgoChoice::Push) && size > PUSH_ROWS_MAX {
+            let too_large = match what {
+                What::Kernel(AlgoChoice::Push) => size > PUSH_ROWS_MAX,
+                What::Kernel(AlgoChoice::PushLl) => size > PUSH_LL_ROWS_MAX,
+                _ => false,
+            };
+            if too_large {
                 pb.inc(1);
                 continue;
             }
@@ -340,6 +345,9 @@ fn fill_for(args: &BenchArgs, max_count: usize) -> Vec<u32> {
 /// Largest message of the push rows: push is the small-message algorithm,
 /// and its landing zones take `2 * world` times this per rank.
 pub(crate) const PUSH_ROWS_MAX: usize = 4 << 20;
+/// Largest message of the push_ll rows (its landing zones take
+/// `4 * world` times this per rank).
+pub(crate) const PUSH_LL_ROWS_MAX: usize = 1 << 20;
 
 /// Buffer capacity for the largest message, so no row is chunked and
 /// two-stage is never replaced by one-stage for lack of scratch; landing
@@ -352,6 +360,9 @@ fn config(args: &BenchArgs, max_size: usize) -> Config {
         max_blocks: args.max_blocks,
         threads_per_block: args.threads,
         push_max_bytes: max_size.clamp(4096, PUSH_ROWS_MAX).next_multiple_of(4096),
+        push_ll_max_bytes: max_size
+            .clamp(4096, PUSH_LL_ROWS_MAX)
+            .next_multiple_of(4096),
         ..Config::default()
     }
 }

@@ -41,6 +41,12 @@ pub(super) fn header(devices: &str, mode: &str, args: &BenchArgs, sizes: &[usize
             fmt_bytes(super::PUSH_ROWS_MAX as u64)
         );
     }
+    if args.algo.contains(&p2p_allreduce::AlgoChoice::PushLl) {
+        println!(
+            "# push_ll rows up to {} (landing zones of 4 x world x that per rank)",
+            fmt_bytes(super::PUSH_LL_ROWS_MAX as u64)
+        );
+    }
     println!(
         "# {} x {} sizes ({}..{}, x{}), algorithms {}",
         args.datatype.name(),

@@ -1,0 +1,260 @@
+//! PushLl: push whose arrival signal travels with the data. Every rank
+//! writes its input, as flag-in-data lines ([`crate::ll`]), into its part of
+//! every peer's LL landing zone, then polls its own zone until each pack of
+//! every peer carries this collective's epoch and reduces in rank order.
+//! No flag, no fence, no barrier between ranks.
+
+use super::*;
+use crate::ll::{self, Lines, PackSlot, LL_PACK_BYTES};
+
+/// One pack of a landing zone in GPU memory.
+struct GpuSlot(u64);
+
+impl PackSlot for GpuSlot {
+    #[inline(always)]
+    fn load(&self) -> Lines {
+        let p = self.0 as *const [u64; 2];
+        // SAFETY: a `GpuSlot` is only made for a pack inside a landing zone
+        // (32-byte aligned: the zone and its parts are multiples of 32).
+        unsafe { [ld_volatile_line(p), ld_volatile_line(p.add(1))] }
+    }
+    #[inline(always)]
+    fn store(&self, lines: Lines) {
+        let p = self.0 as *mut [u64; 2];
+        // SAFETY: as for `load`.
+        unsafe {
+            st_volatile_line(p, lines[0]);
+            st_volatile_line(p.add(1), lines[1]);
+        }
+    }
+}
+
+/// Pack `i` of an `E` buffer of `count` elements: whole if it lies inside,
+/// else its elements below `count` with zero bits after them.
+///
+/// # Safety
+/// `base` must be a 16-byte aligned global address valid for reads of
+/// elements `0 .. count`, and `i < ceil(count / lanes)`.
+#[inline(always)]
+unsafe fn ld_pack_upto<E: Element>(base: u64, i: u64, count: u64) -> Pack {
+    let lanes = E::LANES as u64;
+    if (i + 1) * lanes <= count {
+        // SAFETY: the whole pack is inside the buffer (caller contract).
+        return unsafe { ld_pack((base as *const Pack).add(i as usize)) };
+    }
+    let mut p = [0u32; 4];
+    let mut k = 0;
+    while k < lanes && i * lanes + k < count {
+        // SAFETY: element i * lanes + k < count is inside the buffer.
+        let v = unsafe { ld_elem::<E>(base, i * lanes + k) };
+        if E::LANES == 4 {
+            p[k as usize] = v;
+        } else {
+            p[(k / 2) as usize] |= v << (16 * (k % 2));
+        }
+        k += 1;
+    }
+    p
+}
+
+/// Stores pack `i` of an `E` buffer of `count` elements: whole if it lies
+/// inside, else only its elements below `count`.
+///
+/// # Safety
+/// `base` must be a 16-byte aligned global address valid for writes of
+/// elements `0 .. count`, and `i < ceil(count / lanes)`.
+#[inline(always)]
+unsafe fn st_pack_upto<E: Element>(base: u64, i: u64, count: u64, p: Pack) {
+    let lanes = E::LANES as u64;
+    if (i + 1) * lanes <= count {
+        // SAFETY: the whole pack is inside the buffer (caller contract).
+        unsafe { st_pack_streaming((base as *mut Pack).add(i as usize), p) };
+        return;
+    }
+    let mut k = 0;
+    while k < lanes && i * lanes + k < count {
+        let v = if E::LANES == 4 {
+            p[k as usize]
+        } else {
+            (p[(k / 2) as usize] >> (16 * (k % 2))) & 0xffff
+        };
+        // SAFETY: element i * lanes + k < count is inside the buffer.
+        unsafe { st_elem::<E>(base, i * lanes + k, v) };
+        k += 1;
+    }
+}
+
+/// One rank's part of a PushLl collective ([`Algorithm::PushLl`]), run by
+/// every thread of every block of the launch. Thread `g` of the grid owns
+/// packs `g, g + stride, ...`: it sends them to every peer, then waits for
+/// the same packs of every peer in its own zone and reduces them, in rank
+/// order, with its own input (read in place). A pack past the last whole
+/// one travels zero-padded and is stored element by element.
+///
+/// # Safety
+/// As for [`allreduce`], except that only this rank's input in the table is
+/// read; `a.landing_part` is a multiple of 32 and at least
+/// `ceil(a.count / lanes) * 32`, the same on every rank; and every rank's
+/// signal allocation holds an LL landing zone of `2 * N * a.landing_part`
+/// bytes at `a.landing_offset` (a multiple of 32), past the [`Signal`],
+/// used by no other algorithm.
+#[inline(always)]
+unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) {
+    if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
+        return;
+    }
+    let block = block_idx_x();
+    let nblocks = grid_dim_x();
+    let tid = thread_idx_x();
+    let nthreads = block_dim_x();
+    let own_sig = pick::<N>(&a.signals, rank);
+    // SAFETY: `a.table` points to a RankTable the host filled (contract).
+    let own_in = unsafe { (*(a.table as *const RankTable)).inputs[rank as usize] };
+    let code = if nblocks as usize > MAX_BLOCKS {
+        error_code::BAD_LAUNCH
+    } else if own_in == 0 {
+        error_code::UNREGISTERED
+    } else {
+        error_code::NONE
+    };
+    if code != error_code::NONE {
+        if tid == 0 {
+            // SAFETY: `own_sig` is this rank's own signal (contract).
+            unsafe { record_error(own_sig, a.host_error, code, rank, block, 0, 0, 0) };
+        }
+        return;
+    }
+    let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
+    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
+    let epoch = next_epoch(unsafe { read_volatile(epoch_ptr) });
+
+    let packs = a.count.div_ceil(E::LANES as u64);
+    let g = (block * nthreads + tid) as u64;
+    let stride = (nblocks * nthreads) as u64;
+    let part = |src: u64| ll::slot(epoch, N as u64, src, a.landing_part);
+
+    // Phase 1: this rank's packs into its part of every peer's zone.
+    let mut dst = [0u64; MAX_RANKS];
+    let mut p = 0;
+    while p < N {
+        dst[p] = pick::<N>(&a.signals, p as u32) + a.landing_offset + part(rank as u64);
+        p += 1;
+    }
+    let mut i = g;
+    while i < packs {
+        // SAFETY: i < packs = ceil(count / lanes): inside this rank's input
+        // (count elements, contract) and inside every peer's part, which
+        // holds `packs` LL packs (contract).
+        let lines = ll::encode(unsafe { ld_pack_upto::<E>(own_in, i, a.count) }, epoch);
+        let mut p = 0;
+        while p < N {
+            if p as u32 != rank {
+                GpuSlot(dst[p] + i * LL_PACK_BYTES as u64).store(lines);
+            }
+            p += 1;
+        }
+        i += stride;
+    }
+
+    // Every thread of the block read the old epoch; commit the new one.
+    sync_threads();
+    // SAFETY: own signal; every thread of the block, after every thread
+    // read the old value (the bar.sync above).
+    unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
+
+    // Phase 2: wait for each peer's packs in this rank's zone, in rank
+    // order, and reduce them with this rank's own input.
+    let zone = own_sig + a.landing_offset;
+    let output = pick::<N>(&a.outputs, rank);
+    let mut i = g;
+    while i < packs {
+        let mut v = [[0u32; 4]; N];
+        let mut r = 0;
+        while r < N {
+            if r as u32 == rank {
+                // SAFETY: as in phase 1.
+                v[r] = unsafe { ld_pack_upto::<E>(own_in, i, a.count) };
+            } else {
+                let slot = GpuSlot(zone + part(r as u64) + i * LL_PACK_BYTES as u64);
+                match ll::wait_pack(&slot, epoch, a.timeout_ns, &mut GlobalTimer) {
+                    Some(pk) => v[r] = pk,
+                    None => {
+                        // The data is the arrival: report it as the Start
+                        // barrier's, the one every algorithm begins with.
+                        // SAFETY: `own_sig` is this rank's own signal.
+                        unsafe {
+                            record_error(
+                                own_sig,
+                                a.host_error,
+                                error_code::PEER_TIMEOUT,
+                                rank,
+                                block,
+                                r as u32,
+                                epoch,
+                                BarrierKind::Start as u32,
+                            )
+                        };
+                        return;
+                    }
+                }
+            }
+            r += 1;
+        }
+        // SAFETY: i < packs: inside the output, which holds `a.count`
+        // elements (contract).
+        unsafe { st_pack_upto::<E>(output, i, a.count, reduce_pack::<E, N>(&v)) };
+        i += stride;
+    }
+}
+
+macro_rules! push_ll_entries {
+    ($( $name:ident, $vname:ident: $E:ty, $N:literal; )*) => { $(
+        /// A real-rank PushLl entry: this rank is `a.rank`.
+        ///
+        /// # Safety
+        /// Launched by the host under the launch contract of the module
+        /// documentation, with `a` filled as `allreduce_push_ll` requires.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(a: LaunchArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce_push_ll::<$E, $N>(&a, a.rank) }
+        }
+        /// A virtual-rank PushLl entry: this rank is `blockIdx.y`.
+        ///
+        /// # Safety
+        /// As for the real-rank entry, with `gridDim.y == N` and every
+        /// block co-resident.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $vname(a: LaunchArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce_push_ll::<$E, $N>(&a, block_idx_y()) }
+        }
+    )* };
+}
+
+push_ll_entries! {
+    allreduce_push_ll_f32_w1, allreduce_push_ll_f32_w1_virtual: F32, 1;
+    allreduce_push_ll_f32_w2, allreduce_push_ll_f32_w2_virtual: F32, 2;
+    allreduce_push_ll_f32_w3, allreduce_push_ll_f32_w3_virtual: F32, 3;
+    allreduce_push_ll_f32_w4, allreduce_push_ll_f32_w4_virtual: F32, 4;
+    allreduce_push_ll_f32_w5, allreduce_push_ll_f32_w5_virtual: F32, 5;
+    allreduce_push_ll_f32_w6, allreduce_push_ll_f32_w6_virtual: F32, 6;
+    allreduce_push_ll_f32_w7, allreduce_push_ll_f32_w7_virtual: F32, 7;
+    allreduce_push_ll_f32_w8, allreduce_push_ll_f32_w8_virtual: F32, 8;
+    allreduce_push_ll_f16_w1, allreduce_push_ll_f16_w1_virtual: F16, 1;
+    allreduce_push_ll_f16_w2, allreduce_push_ll_f16_w2_virtual: F16, 2;
+    allreduce_push_ll_f16_w3, allreduce_push_ll_f16_w3_virtual: F16, 3;
+    allreduce_push_ll_f16_w4, allreduce_push_ll_f16_w4_virtual: F16, 4;
+    allreduce_push_ll_f16_w5, allreduce_push_ll_f16_w5_virtual: F16, 5;
+    allreduce_push_ll_f16_w6, allreduce_push_ll_f16_w6_virtual: F16, 6;
+    allreduce_push_ll_f16_w7, allreduce_push_ll_f16_w7_virtual: F16, 7;
+    allreduce_push_ll_f16_w8, allreduce_push_ll_f16_w8_virtual: F16, 8;
+    allreduce_push_ll_bf16_w1, allreduce_push_ll_bf16_w1_virtual: Bf16, 1;
+    allreduce_push_ll_bf16_w2, allreduce_push_ll_bf16_w2_virtual: Bf16, 2;
+    allreduce_push_ll_bf16_w3, allreduce_push_ll_bf16_w3_virtual: Bf16, 3;
+    allreduce_push_ll_bf16_w4, allreduce_push_ll_bf16_w4_virtual: Bf16, 4;
+    allreduce_push_ll_bf16_w5, allreduce_push_ll_bf16_w5_virtual: Bf16, 5;
+    allreduce_push_ll_bf16_w6, allreduce_push_ll_bf16_w6_virtual: Bf16, 6;
+    allreduce_push_ll_bf16_w7, allreduce_push_ll_bf16_w7_virtual: Bf16, 7;
+    allreduce_push_ll_bf16_w8, allreduce_push_ll_bf16_w8_virtual: Bf16, 8;
+}
