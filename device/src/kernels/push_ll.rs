@@ -168,16 +168,19 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
     let output = pick::<N>(&a.outputs, rank);
     let mut i = g;
     while i < packs {
-        let mut v = [[0u32; 4]; N];
+        // Rank order, seeded with rank 0's values (as `reduce_pack`), each
+        // source added as soon as it is there: no array of N packs, which
+        // a loop with an early exit would leave in local memory.
+        let mut acc = [0f32; 8];
         let mut r = 0;
         while r < N {
-            if r as u32 == rank {
+            let pk = if r as u32 == rank {
                 // SAFETY: as in phase 1.
-                v[r] = unsafe { ld_pack_upto::<E>(own_in, i, a.count) };
+                unsafe { ld_pack_upto::<E>(own_in, i, a.count) }
             } else {
                 let slot = GpuSlot(zone + part(r as u64) + i * LL_PACK_BYTES as u64);
                 match ll::wait_pack(&slot, epoch, a.timeout_ns, &mut GlobalTimer) {
-                    Some(pk) => v[r] = pk,
+                    Some(pk) => pk,
                     None => {
                         // The data is the arrival: report it as the Start
                         // barrier's, the one every algorithm begins with.
@@ -197,12 +200,18 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
                         return;
                     }
                 }
+            };
+            let x = E::unpack(pk);
+            let mut l = 0;
+            while l < 8 {
+                acc[l] = if r == 0 { x[l] } else { acc[l] + x[l] };
+                l += 1;
             }
             r += 1;
         }
         // SAFETY: i < packs: inside the output, which holds `a.count`
         // elements (contract).
-        unsafe { st_pack_upto::<E>(output, i, a.count, reduce_pack::<E, N>(&v)) };
+        unsafe { st_pack_upto::<E>(output, i, a.count, E::pack(&acc)) };
         i += stride;
     }
 }
