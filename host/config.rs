@@ -101,8 +101,14 @@ impl Default for Thresholds {
             // 4 KiB, even at 128 KiB); PCIe not measured yet, so not by
             // `Auto` (explicit `AlgoChoice::Push` works everywhere).
             push: [0, 64 * K, 0],
-            // Not measured yet: off until the runs in docs/benchmarks.md.
-            push_ll: [0, 0, 0],
+            // Per link, checked before `push`: same device never (virtual
+            // ranks on one H200: ahead of one-stage at N=2 for some sizes
+            // only, behind at N=4 and 8, e.g. 3.90 vs 2.88 us at 4 KiB,
+            // N=4); NVLink up to 128 KiB (2 x H200, PeerGroup: 2.87 vs
+            // 3.86 us push and 4.07 one-stage at 4 KiB, 4.13 vs 4.54 us
+            // one-stage at 128 KiB, behind from 256 KiB); PCIe not measured
+            // (explicit `AlgoChoice::PushLl` works everywhere).
+            push_ll: [0, 128 * K, 0],
         }
     }
 }
@@ -267,7 +273,7 @@ impl Default for Config {
             max_blocks: None,
             chunking: true,
             push_max_bytes: 256 << 10,
-            push_ll_max_bytes: 64 << 10,
+            push_ll_max_bytes: 128 << 10,
             nccl_above: None,
             thresholds: Thresholds::default(),
         }
@@ -403,6 +409,43 @@ mod tests {
         assert_eq!(
             t.choose(AlgoChoice::TwoStage, 16, 2, Link::Pcie),
             Algorithm::TwoStage
+        );
+    }
+
+    #[test]
+    fn auto_runs_push_ll_where_it_fits_and_the_table_says() {
+        let c = Config::default();
+        let pick = |c: &Config, bytes| c.choose(AlgoChoice::Auto, bytes, 2, Link::NvLink);
+        assert_eq!(pick(&c, 4096), Algorithm::PushLl);
+        assert_eq!(pick(&c, 128 << 10), Algorithm::PushLl);
+        assert_eq!(pick(&c, (128 << 10) + 16), Algorithm::OneStage);
+        // World 1 is a copy; the same device never pushes by default.
+        assert_eq!(
+            c.choose(AlgoChoice::Auto, 4096, 1, Link::NvLink),
+            Algorithm::OneStage
+        );
+        assert_eq!(
+            c.choose(AlgoChoice::Auto, 4096, 2, Link::SameDevice),
+            Algorithm::OneStage
+        );
+        // Landing zones too small for the message: push instead.
+        let small = Config {
+            push_ll_max_bytes: 1024,
+            ..Config::default()
+        };
+        assert_eq!(pick(&small, 4096), Algorithm::Push);
+        // A hand-made table moves the choice.
+        let mut t = Config::default();
+        t.thresholds.set_push_ll_max(Link::NvLink, 0);
+        assert_eq!(pick(&t, 4096), Algorithm::Push);
+        t.thresholds.set_push_ll_max(Link::Pcie, 64 << 10);
+        assert_eq!(
+            t.choose(AlgoChoice::Auto, 4096, 8, Link::Pcie),
+            Algorithm::PushLl
+        );
+        assert_eq!(
+            c.choose(AlgoChoice::PushLl, 1 << 30, 2, Link::Pcie),
+            Algorithm::PushLl
         );
     }
 }
