@@ -224,8 +224,9 @@ pub const AUTO_BLOCKS_CROSS_DEVICE: u32 = 64;
 /// Group settings.
 ///
 /// Memory: every rank owns a staging and a scratch buffer of `max_bytes`
-/// each, plus an 8 KiB signal: the default (32 MiB) costs 64 MiB of device
-/// memory per rank. Groups for small messages only can use much less, e.g.
+/// each, plus an 8 KiB signal and the landing zones of push and push_ll
+/// (`2 * world * (push_max_bytes + 2 * push_ll_max_bytes)`): the defaults
+/// cost 64 MiB plus `world` MiB of device memory per rank. Groups for small messages only can use much less, e.g.
 /// [`Config::with_max_bytes`]`(1 << 20)`.
 #[derive(Clone, Debug)]
 pub struct Config {
