@@ -63,7 +63,12 @@ pub const fn decode(l: &Lines, epoch: u32) -> Option<Pack> {
     let e = epoch as u64;
     if (l[0][0] >> 32) == e && (l[0][1] >> 32) == e && (l[1][0] >> 32) == e && (l[1][1] >> 32) == e
     {
-        Some([l[0][0] as u32, l[0][1] as u32, l[1][0] as u32, l[1][1] as u32])
+        Some([
+            l[0][0] as u32,
+            l[0][1] as u32,
+            l[1][0] as u32,
+            l[1][1] as u32,
+        ])
     } else {
         None
     }

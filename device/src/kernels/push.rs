@@ -57,8 +57,7 @@ unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) 
     let mut dst = [0u64; MAX_RANKS];
     let mut p = 0;
     while p < N {
-        dst[p] =
-            pick::<N>(&a.signals, p as u32) + a.landing_offset + part(rank as u64);
+        dst[p] = pick::<N>(&a.signals, p as u32) + a.landing_offset + part(rank as u64);
         p += 1;
     }
     let src = own_in as *const Pack;
