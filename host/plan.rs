@@ -253,6 +253,7 @@ mod tests {
         let mut t = Thresholds::default();
         t.set_one_stage_max(Link::NvLink, 2, 0);
         t.set_push_max(Link::NvLink, 0);
+        t.set_push_ll_max(Link::NvLink, 0);
         let c = Config { thresholds: t, ..c };
         let p = Plan::new(&c, request(1000, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
         assert_eq!(
@@ -264,8 +265,11 @@ mod tests {
 
     #[test]
     fn push_plans_fit_the_landing_zones() {
+        let mut t = Thresholds::default();
+        t.set_push_ll_max(Link::NvLink, 0);
         let c = Config {
             push_max_bytes: 1024,
+            thresholds: t,
             ..Config::default()
         };
         // Auto pushes small messages over NVLink, not what would not fit.
@@ -294,6 +298,31 @@ mod tests {
             Plan::new(&c, same).expect("plan").algorithm,
             Algorithm::OneStage
         );
+    }
+
+    #[test]
+    fn push_ll_plans_fit_the_ll_landing_zones() {
+        let c = Config {
+            push_ll_max_bytes: 1024,
+            ..Config::default()
+        };
+        // Auto runs push_ll for small messages over NVLink, then push for
+        // what does not fit the LL zones but fits push's.
+        let p = Plan::new(&c, request(256, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
+        assert_eq!(p.algorithm, Algorithm::PushLl);
+        let p = Plan::new(&c, request(257, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
+        assert_eq!(p.algorithm, Algorithm::Push);
+        assert!(matches!(
+            Plan::new(&c, request(300, Inputs::ZeroCopy, AlgoChoice::PushLl)),
+            Err(Error::PushLlTooLarge {
+                bytes: 1200,
+                capacity: 1024
+            })
+        ));
+        let p = Plan::new(&c, request(300, Inputs::Staged, AlgoChoice::PushLl)).expect("plan");
+        let steps: Vec<(usize, usize)> = p.steps().map(|s| (s.offset, s.len)).collect();
+        assert_eq!(steps, vec![(0, 256), (256, 44)]);
+        assert!(p.steps().all(|s| s.entry.algorithm == Algorithm::PushLl));
     }
 
     #[test]
