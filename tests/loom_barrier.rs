@@ -642,18 +642,24 @@ impl<'a> Rank<'a> {
         self.p.ll_fixed_epoch.unwrap_or(epoch)
     }
 
+    /// Pack `i` of this rank's input, zero past `len` (as the kernels'
+    /// `ld_pack_upto`).
+    fn own_ll_pack(&self, i: usize) -> [u32; 4] {
+        let own = &self.world[self.me];
+        let mut pack = [0u32; 4];
+        for (k, v) in pack.iter_mut().enumerate() {
+            if let Some(cell) = own.input.get(i * LL_LANES + k) {
+                *v = Self::read(cell);
+            }
+        }
+        pack
+    }
+
     /// push_ll, phase 1: this rank's input, pack by pack, into its part of
     /// every peer's LL zone (its own part is never written).
     fn push_ll_to_peers(&self, epoch: u32) {
-        let own = &self.world[self.me];
         for i in 0..self.p.len.div_ceil(LL_LANES) {
-            let mut pack = [0u32; 4];
-            for (k, v) in pack.iter_mut().enumerate() {
-                if let Some(cell) = own.input.get(i * LL_LANES + k) {
-                    *v = Self::read(cell);
-                }
-            }
-            let lines = ll::encode(pack, self.ll_epoch(epoch));
+            let lines = ll::encode(self.own_ll_pack(i), self.ll_epoch(epoch));
             for (peer, mem) in self.world.iter().enumerate() {
                 if peer != self.me {
                     let pack = mem.ll_pack(epoch, self.p.landing_slots, self.me, i);
@@ -677,13 +683,7 @@ impl<'a> Rank<'a> {
             let mut acc = [0u32; LL_LANES];
             for src in 0..self.p.world {
                 let pack = if src == self.me {
-                    let mut p = [0u32; 4];
-                    for (k, v) in p.iter_mut().enumerate() {
-                        if let Some(cell) = own.input.get(i * LL_LANES + k) {
-                            *v = Self::read(cell);
-                        }
-                    }
-                    p
+                    self.own_ll_pack(i)
                 } else {
                     let view = LlView {
                         pack: own.ll_pack(epoch, self.p.landing_slots, src, i),
