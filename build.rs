@@ -230,6 +230,12 @@ fn build_ptx(tc: &Toolchain, device_dir: &Path, nested_target: &Path, arch: &str
         text.lines().any(|l| l.trim() == format!(".target {arch}")),
         "PTX for {arch} does not declare `.target {arch}`"
     );
+    // A kernel crate that compiles to no entry at all (a module left out)
+    // must fail here, not at the first launch.
+    assert!(
+        text.contains(".entry "),
+        "PTX for {arch} has no kernel entry: the kernel crate built without its kernels"
+    );
 }
 
 fn write_module_table(out_dir: &Path, archs: &[(String, (u32, u32))], tc: &Toolchain) {

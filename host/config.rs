@@ -1,15 +1,17 @@
-//! The settings of a group ([`Config`]) and of `Auto` ([`Thresholds`]),
-//! and the words a caller uses for them ([`AlgoChoice`], [`Link`]).
+//! The settings of a group ([`Config`]), and the words a caller uses for
+//! them ([`AlgoChoice`], [`Link`]). `Auto`'s table is in
+//! [`crate::thresholds`].
 
-use crate::abi::{Algorithm, Signal, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
+use crate::abi::{Algorithm, PushTwoStagePart, Signal, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
 use crate::ll::LL_PACK_BYTES;
+pub use crate::thresholds::Thresholds;
 use std::time::Duration;
 
 /// What the caller asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AlgoChoice {
-    /// By the [`Thresholds`] for this world size and link: push_ll and
-    /// push for the smallest messages, one-stage, then two-stage.
+    /// By the [`Thresholds`] for this world size and link (built in, or
+    /// measured by `p2p-allreduce tune`).
     #[default]
     Auto,
     OneStage,
@@ -21,6 +23,24 @@ pub enum AlgoChoice {
     /// Needs the message to fit `Config::push_ll_max_bytes` (staged calls
     /// are chunked to it).
     PushLl,
+    /// Reduce-scatter and all-gather by writes into landing zones. Needs
+    /// the message to fit `Config::push_two_stage_max_bytes` (staged calls
+    /// are chunked to it).
+    PushTwoStage,
+}
+
+impl AlgoChoice {
+    /// The algorithm asked for, or `None` for `Auto`.
+    pub fn explicit(self) -> Option<Algorithm> {
+        match self {
+            AlgoChoice::Auto => None,
+            AlgoChoice::OneStage => Some(Algorithm::OneStage),
+            AlgoChoice::TwoStage => Some(Algorithm::TwoStage),
+            AlgoChoice::Push => Some(Algorithm::Push),
+            AlgoChoice::PushLl => Some(Algorithm::PushLl),
+            AlgoChoice::PushTwoStage => Some(Algorithm::PushTwoStage),
+        }
+    }
 }
 
 impl From<Algorithm> for AlgoChoice {
@@ -30,6 +50,7 @@ impl From<Algorithm> for AlgoChoice {
             Algorithm::TwoStage => AlgoChoice::TwoStage,
             Algorithm::Push => AlgoChoice::Push,
             Algorithm::PushLl => AlgoChoice::PushLl,
+            Algorithm::PushTwoStage => AlgoChoice::PushTwoStage,
         }
     }
 }
@@ -43,176 +64,6 @@ pub enum Link {
     Pcie,
 }
 
-/// Where `Auto` switches from one-stage to two-stage: for each link and
-/// world size, the largest message (bytes) that still runs one-stage. Both
-/// algorithms give identical bits, so a threshold only moves speed, never
-/// results. Read and change it with [`Thresholds::one_stage_max`] and
-/// [`Thresholds::set_one_stage_max`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Thresholds {
-    same_device: [usize; MAX_RANKS + 1],
-    nvlink: [usize; MAX_RANKS + 1],
-    pcie: [usize; MAX_RANKS + 1],
-    /// Largest message that `Auto` pushes, per link (all world sizes).
-    push: [usize; 3],
-    /// Largest message that `Auto` runs as push_ll, per link (all world
-    /// sizes); checked before `push`.
-    push_ll: [usize; 3],
-}
-
-impl Default for Thresholds {
-    fn default() -> Self {
-        const K: usize = 1024;
-        const M: usize = 1024 * 1024;
-        Thresholds {
-            // From the H200 virtual-rank bf16 sweep (docs/benchmarks.md): one-stage
-            // is faster up to 8 MiB for N=2, 1 MiB for N=4 and 256 KiB for N=8;
-            // odd world sizes interpolated.
-            same_device: [0, usize::MAX, 8 * M, 2 * M, M, M, 512 * K, 256 * K, 256 * K],
-            // World 2 from the 2 x H200 sweep (docs/benchmarks.md: one-stage
-            // ahead up to 8 MiB); larger worlds are starting points in the
-            // spirit of the published custom-allreduce tables.
-            nvlink: [
-                0,
-                usize::MAX,
-                8 * M,
-                M,
-                512 * K,
-                512 * K,
-                256 * K,
-                256 * K,
-                256 * K,
-            ],
-            // On PCIe every one-stage rank pulls (N-1)x the message over a shared bus.
-            pcie: [
-                0,
-                usize::MAX,
-                512 * K,
-                128 * K,
-                64 * K,
-                32 * K,
-                32 * K,
-                32 * K,
-                32 * K,
-            ],
-            // Per link: same device never (on one GPU the system-scope
-            // release costs more than the reads it saves: 2.97 vs 2.53 us at
-            // 4 KiB, N=2); NVLink up to 64 KiB (2 x H200: 3.84 vs 4.09 us at
-            // 4 KiB, even at 128 KiB); PCIe not measured yet, so not by
-            // `Auto` (explicit `AlgoChoice::Push` works everywhere).
-            push: [0, 64 * K, 0],
-            // Per link, checked before `push`: same device never (virtual
-            // ranks on one H200: ahead of one-stage at N=2 for some sizes
-            // only, behind at N=4 and 8, e.g. 3.90 vs 2.88 us at 4 KiB,
-            // N=4); NVLink up to 128 KiB (2 x H200, PeerGroup: 2.87 vs
-            // 3.86 us push and 4.07 one-stage at 4 KiB, 4.13 vs 4.54 us
-            // one-stage at 128 KiB, behind from 256 KiB); PCIe not measured
-            // (explicit `AlgoChoice::PushLl` works everywhere).
-            push_ll: [0, 128 * K, 0],
-        }
-    }
-}
-
-fn link_index(link: Link) -> usize {
-    match link {
-        Link::SameDevice => 0,
-        Link::NvLink => 1,
-        Link::Pcie => 2,
-    }
-}
-
-impl Thresholds {
-    /// The largest message (bytes) that `Auto` runs as [`Algorithm::Push`]
-    /// over `link` (and only if it fits `Config::push_max_bytes`).
-    pub fn push_max(&self, link: Link) -> usize {
-        self.push[link_index(link)]
-    }
-
-    /// Sets where `Auto` stops pushing over `link`.
-    pub fn set_push_max(&mut self, link: Link, bytes: usize) {
-        self.push[link_index(link)] = bytes;
-    }
-
-    /// The largest message (bytes) that `Auto` runs as
-    /// [`Algorithm::PushLl`] over `link` (and only if it fits
-    /// `Config::push_ll_max_bytes`).
-    pub fn push_ll_max(&self, link: Link) -> usize {
-        self.push_ll[link_index(link)]
-    }
-
-    /// Sets where `Auto` stops using push_ll over `link`.
-    pub fn set_push_ll_max(&mut self, link: Link, bytes: usize) {
-        self.push_ll[link_index(link)] = bytes;
-    }
-
-    fn table(&self, link: Link) -> &[usize; MAX_RANKS + 1] {
-        match link {
-            Link::SameDevice => &self.same_device,
-            Link::NvLink => &self.nvlink,
-            Link::Pcie => &self.pcie,
-        }
-    }
-
-    /// The largest message (bytes) that `Auto` runs one-stage for `world`
-    /// ranks over `link` (world 1 and out-of-range worlds: `usize::MAX`).
-    pub fn one_stage_max(&self, link: Link, world: usize) -> usize {
-        match world {
-            2..=MAX_RANKS => self.table(link)[world],
-            _ => usize::MAX,
-        }
-    }
-
-    /// Sets where `Auto` switches for `world` ranks over `link`: messages
-    /// up to `bytes` run one-stage. `world` outside 2..=8 is ignored (world
-    /// 1 is a copy whatever the algorithm).
-    pub fn set_one_stage_max(&mut self, link: Link, world: usize, bytes: usize) {
-        if (2..=MAX_RANKS).contains(&world) {
-            let t = match link {
-                Link::SameDevice => &mut self.same_device,
-                Link::NvLink => &mut self.nvlink,
-                Link::Pcie => &mut self.pcie,
-            };
-            t[world] = bytes;
-        }
-    }
-
-    /// The algorithm for a message of `bytes` bytes: the explicit choice, or
-    /// under `Auto` one-stage up to [`Thresholds::one_stage_max`].
-    pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, link: Link) -> Algorithm {
-        self.choose_fitting(choice, bytes, world, link, (usize::MAX, usize::MAX))
-    }
-
-    /// [`Thresholds::choose`], where `Auto` may push (push_ll) only a
-    /// message of at most `caps.0` (`caps.1`) bytes: what fits the group's
-    /// landing zones.
-    fn choose_fitting(
-        &self,
-        choice: AlgoChoice,
-        bytes: usize,
-        world: usize,
-        link: Link,
-        caps: (usize, usize),
-    ) -> Algorithm {
-        match choice {
-            AlgoChoice::OneStage => Algorithm::OneStage,
-            AlgoChoice::TwoStage => Algorithm::TwoStage,
-            AlgoChoice::Push => Algorithm::Push,
-            AlgoChoice::PushLl => Algorithm::PushLl,
-            AlgoChoice::Auto => {
-                if world > 1 && bytes <= caps.1 && bytes <= self.push_ll_max(link) {
-                    Algorithm::PushLl
-                } else if world > 1 && bytes <= caps.0 && bytes <= self.push_max(link) {
-                    Algorithm::Push
-                } else if bytes <= self.one_stage_max(link, world) {
-                    Algorithm::OneStage
-                } else {
-                    Algorithm::TwoStage
-                }
-            }
-        }
-    }
-}
-
 /// Automatic block cap for ranks that share one GPU (from the H200
 /// virtual-rank sweep, docs/benchmarks.md).
 pub const AUTO_BLOCKS_SAME_DEVICE: u32 = 16;
@@ -224,10 +75,12 @@ pub const AUTO_BLOCKS_CROSS_DEVICE: u32 = 64;
 /// Group settings.
 ///
 /// Memory: every rank owns a staging and a scratch buffer of `max_bytes`
-/// each, plus an 8 KiB signal and the landing zones of push and push_ll
-/// (`2 * world * (push_max_bytes + 2 * push_ll_max_bytes)`): the defaults
-/// cost 64 MiB plus `world` MiB of device memory per rank. Groups for small messages only can use much less, e.g.
-/// [`Config::with_max_bytes`]`(1 << 20)`.
+/// each, plus an 8 KiB signal and the landing zones of push, push_ll and
+/// push_two_stage (`2 * world * (push_max_bytes + 2 * push_ll_max_bytes)`
+/// plus about `2 * push_two_stage_max_bytes`): the defaults cost 72 MiB
+/// plus `world` MiB of device memory per rank. Groups for small messages
+/// only can use much less, e.g. [`Config::with_max_bytes`]`(1 << 20)` with
+/// smaller landing zones.
 #[derive(Clone, Debug)]
 pub struct Config {
     /// Capacity of each rank's staging and scratch buffers in bytes. Larger
@@ -258,6 +111,12 @@ pub struct Config {
     /// rank holds `4 * world * push_ll_max_bytes` bytes of it. Larger
     /// messages are sent in chunks (staged) or not by push_ll (zero-copy).
     pub push_ll_max_bytes: usize,
+    /// Largest message (bytes) of [`Algorithm::PushTwoStage`]: every rank
+    /// holds a landing zone of about `2 * push_two_stage_max_bytes` bytes
+    /// (each source writes one partition per stage, one slot). Larger
+    /// messages are sent in chunks (staged) or not by push_two_stage
+    /// (zero-copy).
+    pub push_two_stage_max_bytes: usize,
     /// With the `nccl` feature and NCCL enabled on a `PeerGroup`: messages
     /// larger than this many bytes go to NCCL under `AlgoChoice::Auto`.
     /// `None` (the default) never hands over: NCCL's results are not
@@ -275,6 +134,7 @@ impl Default for Config {
             chunking: true,
             push_max_bytes: 256 << 10,
             push_ll_max_bytes: 128 << 10,
+            push_two_stage_max_bytes: 4 << 20,
             nccl_above: None,
             thresholds: Thresholds::default(),
         }
@@ -283,13 +143,32 @@ impl Default for Config {
 
 impl Config {
     /// The algorithm for a message of `bytes` bytes under these settings:
-    /// [`Thresholds::choose`], except that `Auto` never pushes a message
-    /// larger than `push_max_bytes` (push_ll: `push_ll_max_bytes`): it would
-    /// not fit the landing zones.
+    /// [`Thresholds::choose`], except that `Auto` never picks a push
+    /// algorithm for a message larger than its landing zone
+    /// ([`Config::zone_capacity`]).
     pub fn choose(&self, choice: AlgoChoice, bytes: usize, world: usize, link: Link) -> Algorithm {
-        let caps = (self.push_max_bytes, self.push_ll_max_bytes);
+        let fits = |a| self.zone_capacity(a).is_none_or(|cap| bytes <= cap);
         self.thresholds
-            .choose_fitting(choice, bytes, world, link, caps)
+            .choose_fitting(choice, bytes, world, link, fits)
+    }
+
+    /// The largest message (bytes) `algo`'s landing zone holds, or `None`
+    /// for the pull algorithms, which have none.
+    pub fn zone_capacity(&self, algo: Algorithm) -> Option<usize> {
+        match algo {
+            Algorithm::Push => Some(self.push_max_bytes),
+            Algorithm::PushLl => Some(self.push_ll_max_bytes),
+            Algorithm::PushTwoStage => Some(self.push_two_stage_max_bytes),
+            Algorithm::OneStage | Algorithm::TwoStage => None,
+        }
+    }
+
+    /// The layout of one source's part of push_two_stage's zone.
+    fn push_two_stage_part(&self, world: usize) -> PushTwoStagePart {
+        PushTwoStagePart::for_capacity(
+            (self.push_two_stage_max_bytes / PACK_BYTES) as u64,
+            world as u64,
+        )
     }
 
     /// Bytes of one source's part of push_ll's landing zone: two lines
@@ -298,10 +177,11 @@ impl Config {
         self.push_ll_max_bytes / PACK_BYTES * LL_PACK_BYTES
     }
 
-    /// Bytes of each rank's landing zones (push's, then push_ll's) in a
-    /// group of `world` ranks.
+    /// Bytes of each rank's landing zones (push's, push_ll's, then
+    /// push_two_stage's) in a group of `world` ranks.
     pub(crate) fn landing_bytes(&self, world: usize) -> usize {
         2 * world * (self.push_max_bytes + self.push_ll_part())
+            + world * self.push_two_stage_part(world).bytes() as usize
     }
 
     /// Where `algo`'s landing zone starts in a signal allocation of a
@@ -310,12 +190,12 @@ impl Config {
     /// algorithms, which have none).
     pub(crate) fn landing(&self, algo: Algorithm, world: usize) -> (u64, u64) {
         let push_zone = Signal::LANDING_OFFSET;
+        let ll_zone = push_zone + 2 * world * self.push_max_bytes;
+        let push2_zone = ll_zone + 2 * world * self.push_ll_part();
         match algo {
             Algorithm::Push => (push_zone as u64, self.push_max_bytes as u64),
-            Algorithm::PushLl => (
-                (push_zone + 2 * world * self.push_max_bytes) as u64,
-                self.push_ll_part() as u64,
-            ),
+            Algorithm::PushLl => (ll_zone as u64, self.push_ll_part() as u64),
+            Algorithm::PushTwoStage => (push2_zone as u64, self.push_two_stage_part(world).bytes()),
             Algorithm::OneStage | Algorithm::TwoStage => (0, 0),
         }
     }
@@ -356,6 +236,14 @@ impl Config {
                 self.push_ll_max_bytes
             ));
         }
+        if self.push_two_stage_max_bytes < PACK_BYTES
+            || self.push_two_stage_max_bytes % PACK_BYTES != 0
+        {
+            return Err(format!(
+                "push_two_stage_max_bytes = {}: use a positive multiple of {PACK_BYTES}",
+                self.push_two_stage_max_bytes
+            ));
+        }
         if self.threads_per_block < 32
             || self.threads_per_block > 1024
             || self.threads_per_block % 32 != 0
@@ -390,28 +278,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn auto_switches_at_the_threshold() {
-        let t = Thresholds::default();
-        let th = t.one_stage_max(Link::SameDevice, 4);
-        assert_eq!(
-            t.choose(AlgoChoice::Auto, th, 4, Link::SameDevice),
-            Algorithm::OneStage
-        );
-        assert_eq!(
-            t.choose(AlgoChoice::Auto, th + 1, 4, Link::SameDevice),
-            Algorithm::TwoStage
-        );
-        assert_eq!(
-            t.choose(AlgoChoice::Auto, usize::MAX, 1, Link::Pcie),
-            Algorithm::OneStage
-        );
-        assert_eq!(
-            t.choose(AlgoChoice::TwoStage, 16, 2, Link::Pcie),
-            Algorithm::TwoStage
-        );
-    }
+    use crate::thresholds::Band;
 
     #[test]
     fn auto_runs_push_ll_where_it_fits_and_the_table_says() {
@@ -429,24 +296,69 @@ mod tests {
             c.choose(AlgoChoice::Auto, 4096, 2, Link::SameDevice),
             Algorithm::OneStage
         );
-        // Landing zones too small for the message: push instead.
+        // Landing zone too small for the message: the next band.
         let small = Config {
             push_ll_max_bytes: 1024,
             ..Config::default()
         };
-        assert_eq!(pick(&small, 4096), Algorithm::Push);
-        // A hand-made table moves the choice.
-        let mut t = Config::default();
-        t.thresholds.set_push_ll_max(Link::NvLink, 0);
-        assert_eq!(pick(&t, 4096), Algorithm::Push);
-        t.thresholds.set_push_ll_max(Link::Pcie, 64 << 10);
-        assert_eq!(
-            t.choose(AlgoChoice::Auto, 4096, 8, Link::Pcie),
-            Algorithm::PushLl
-        );
+        assert_eq!(pick(&small, 4096), Algorithm::OneStage);
+        // A hand-made table moves the choice, and zone caps still hold.
+        let mut t = Config {
+            push_two_stage_max_bytes: 1 << 20,
+            ..Config::default()
+        };
+        let bands = vec![
+            Band {
+                up_to: 8192,
+                algorithm: Algorithm::Push,
+            },
+            Band {
+                up_to: usize::MAX,
+                algorithm: Algorithm::PushTwoStage,
+            },
+        ];
+        t.thresholds
+            .set_bands(Link::Pcie, 8, bands)
+            .expect("valid bands");
+        let pcie8 = |bytes| t.choose(AlgoChoice::Auto, bytes, 8, Link::Pcie);
+        assert_eq!(pcie8(4096), Algorithm::Push);
+        assert_eq!(pcie8(8193), Algorithm::PushTwoStage);
+        assert_eq!(pcie8(1 << 20), Algorithm::PushTwoStage);
+        assert_eq!(pcie8((1 << 20) + 16), Algorithm::TwoStage);
         assert_eq!(
             c.choose(AlgoChoice::PushLl, 1 << 30, 2, Link::Pcie),
             Algorithm::PushLl
         );
+    }
+
+    #[test]
+    fn landing_zones_do_not_overlap() {
+        let c = Config::default();
+        for world in 1..=MAX_RANKS {
+            let mut zones: Vec<(u64, u64)> =
+                [Algorithm::Push, Algorithm::PushLl, Algorithm::PushTwoStage]
+                    .into_iter()
+                    .map(|a| {
+                        let (off, part) = c.landing(a, world);
+                        let slots = if a == Algorithm::PushTwoStage { 1 } else { 2 };
+                        (off, off + slots * world as u64 * part)
+                    })
+                    .collect();
+            zones.sort();
+            assert_eq!(zones[0].0, Signal::LANDING_OFFSET as u64);
+            for w in zones.windows(2) {
+                assert!(w[0].1 <= w[1].0, "{zones:?}");
+            }
+            assert_eq!(
+                zones[2].1,
+                (Signal::LANDING_OFFSET + c.landing_bytes(world)) as u64
+            );
+            // Every message that fits has partitions that fit the part.
+            let cap_packs = (c.push_two_stage_max_bytes / PACK_BYTES) as u64;
+            let part =
+                PushTwoStagePart::from_part_bytes(c.landing(Algorithm::PushTwoStage, world).1);
+            let (s, e) = crate::device::reduce::partition(cap_packs, world as u32, 0);
+            assert!(e - s <= part.half);
+        }
     }
 }

@@ -144,18 +144,25 @@ pub enum Error {
     StreamSwitchInCapture,
 
     #[error(
-        "a push allreduce of {bytes} bytes over zero-copy inputs does not fit the landing zones \
-         ({capacity} bytes per source): use AlgoChoice::Auto or OneStage (same bits), or a group with \
-         Config::push_max_bytes >= {bytes}"
+        "a {} allreduce of {bytes} bytes over zero-copy inputs does not fit its landing zone ({capacity} \
+         bytes of message): use AlgoChoice::Auto, or OneStage (same bits), or a group with Config::{}_max_bytes \
+         >= {bytes}",
+        algorithm.name(), algorithm.name()
     )]
-    PushTooLarge { bytes: usize, capacity: usize },
+    ZoneTooSmall {
+        algorithm: crate::abi::Algorithm,
+        bytes: usize,
+        capacity: usize,
+    },
 
     #[error(
-        "a push_ll allreduce of {bytes} bytes over zero-copy inputs does not fit the LL landing zones \
-         ({capacity} bytes of data per source): use AlgoChoice::Auto, Push or OneStage (same bits), or \
-         a group with Config::push_ll_max_bytes >= {bytes}"
+        "thresholds file {path}: {reason}. Fix or delete it, run `p2p-allreduce tune` again, or set \
+         P2P_ALLREDUCE_THRESHOLDS=none to use the built-in table"
     )]
-    PushLlTooLarge { bytes: usize, capacity: usize },
+    ThresholdsFile {
+        path: std::path::PathBuf,
+        reason: String,
+    },
 
     #[error(
         "ranks {a} and {b} were given the same stream: each rank needs its own stream (ranks that share a \

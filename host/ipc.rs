@@ -17,14 +17,14 @@ use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
 const MAGIC: u32 = 0x7032_7061; // "p2pa"
-const VERSION: u32 = 4;
+const VERSION: u32 = 5;
 pub(crate) const HANDLE: usize = IPC_HANDLE_BYTES;
 /// Bytes of the PCI bus id field (`dddd:bb:dd.f`, NUL padded).
 const BUS_ID: usize = 16;
 /// magic, version, world, rank, pid, reserved (u32 each), max_bytes,
-/// timeout_ns, threads/blocks, push_max_bytes, push_ll_max_bytes (u64
-/// each), 3 IPC handles, the PCI bus id.
-const U64S: usize = 5;
+/// timeout_ns, threads/blocks, push_max_bytes, push_ll_max_bytes,
+/// push_two_stage_max_bytes (u64 each), 3 IPC handles, the PCI bus id.
+const U64S: usize = 6;
 const HANDLES_AT: usize = 6 * 4 + U64S * 8;
 const RECORD: usize = HANDLES_AT + 3 * HANDLE + BUS_ID;
 
@@ -38,6 +38,7 @@ struct Record {
     launch: u64,
     push_max: u64,
     push_ll_max: u64,
+    push2_max: u64,
     handles: [[u8; HANDLE]; 3],
 }
 
@@ -53,6 +54,7 @@ impl Record {
             self.launch,
             self.push_max,
             self.push_ll_max,
+            self.push2_max,
         ] {
             v.extend_from_slice(&x.to_le_bytes());
         }
@@ -99,6 +101,7 @@ impl Record {
             launch: u64_at(2),
             push_max: u64_at(3),
             push_ll_max: u64_at(4),
+            push2_max: u64_at(5),
             handles,
         })
     }
@@ -153,6 +156,7 @@ pub(crate) fn rendezvous(
         launch: (config.threads_per_block as u64) << 32 | config.max_blocks.unwrap_or(0) as u64,
         push_max: config.push_max_bytes as u64,
         push_ll_max: config.push_ll_max_bytes as u64,
+        push2_max: config.push_two_stage_max_bytes as u64,
         handles: [
             driver::ipc_export(ctx, own.staging.ptr())?,
             driver::ipc_export(ctx, own.scratch.ptr())?,
@@ -190,12 +194,13 @@ pub(crate) fn rendezvous(
                 r.launch,
                 r.push_max,
                 r.push_ll_max,
+                r.push2_max,
             )
         };
         if settings(&rec) != settings(&mine) {
             return Err(mismatch(
                 "Config (max_bytes, timeout, threads_per_block, max_blocks, push_max_bytes, \
-                 push_ll_max_bytes) differs"
+                 push_ll_max_bytes, push_two_stage_max_bytes) differs"
                     .into(),
             ));
         }

@@ -59,6 +59,7 @@ pub mod ptx;
 pub mod ptxas;
 pub mod reference;
 pub mod registered;
+pub mod thresholds;
 pub mod topology;
 #[cfg(feature = "testkit")]
 pub mod validate;

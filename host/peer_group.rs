@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
+use crate::thresholds;
 use crate::topology;
 use crate::virtual_group::table_of;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
@@ -86,6 +87,10 @@ impl PeerGroup {
                 driver::enable_peer_access(ca, cb)?;
             }
         }
+        let config = Config {
+            thresholds: thresholds::resolve(&config.thresholds, &contexts[0], link, world)?,
+            ..config
+        };
         let mut kernels = Vec::with_capacity(world);
         let mut own = Vec::with_capacity(world);
         for (r, ctx) in contexts.iter().enumerate() {

@@ -24,7 +24,7 @@ pub fn blocks_for(
     let packs = count.div_ceil(dtype.lanes()).max(1);
     let work = match algo {
         Algorithm::OneStage | Algorithm::Push | Algorithm::PushLl => packs,
-        Algorithm::TwoStage => packs.div_ceil(world.max(1)),
+        Algorithm::TwoStage | Algorithm::PushTwoStage => packs.div_ceil(world.max(1)),
     };
     (work.div_ceil(threads as usize) as u32).clamp(1, max_blocks)
 }
@@ -91,11 +91,9 @@ impl Plan {
         let chunk = match request.inputs {
             Inputs::Staged => {
                 // A push chunk must fit the landing zones as well.
-                let cap = match algorithm {
-                    Algorithm::Push => config.max_bytes.min(config.push_max_bytes),
-                    Algorithm::PushLl => config.max_bytes.min(config.push_ll_max_bytes),
-                    Algorithm::OneStage | Algorithm::TwoStage => config.max_bytes,
-                };
+                let cap = config
+                    .zone_capacity(algorithm)
+                    .map_or(config.max_bytes, |z| config.max_bytes.min(z));
                 if bytes > cap && !config.chunking {
                     return Err(Error::MessageTooLarge {
                         bytes,
@@ -105,17 +103,14 @@ impl Plan {
                 ((cap / PACK_BYTES) * request.dtype.lanes()).max(1)
             }
             Inputs::ZeroCopy => {
-                if algorithm == Algorithm::Push && bytes > config.push_max_bytes {
-                    return Err(Error::PushTooLarge {
-                        bytes,
-                        capacity: config.push_max_bytes,
-                    });
-                }
-                if algorithm == Algorithm::PushLl && bytes > config.push_ll_max_bytes {
-                    return Err(Error::PushLlTooLarge {
-                        bytes,
-                        capacity: config.push_ll_max_bytes,
-                    });
+                if let Some(capacity) = config.zone_capacity(algorithm) {
+                    if bytes > capacity {
+                        return Err(Error::ZoneTooSmall {
+                            algorithm,
+                            bytes,
+                            capacity,
+                        });
+                    }
                 }
                 if algorithm == Algorithm::TwoStage && bytes > config.max_bytes {
                     if request.choice == AlgoChoice::TwoStage {
@@ -251,9 +246,8 @@ mod tests {
             })
         ));
         let mut t = Thresholds::default();
-        t.set_one_stage_max(Link::NvLink, 2, 0);
-        t.set_push_max(Link::NvLink, 0);
-        t.set_push_ll_max(Link::NvLink, 0);
+        t.set_bands(Link::NvLink, 2, vec![band(usize::MAX, Algorithm::TwoStage)])
+            .expect("valid bands");
         let c = Config { thresholds: t, ..c };
         let p = Plan::new(&c, request(1000, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
         assert_eq!(
@@ -263,66 +257,59 @@ mod tests {
         );
     }
 
-    #[test]
-    fn push_plans_fit_the_landing_zones() {
-        let mut t = Thresholds::default();
-        t.set_push_ll_max(Link::NvLink, 0);
-        let c = Config {
-            push_max_bytes: 1024,
-            thresholds: t,
-            ..Config::default()
-        };
-        // Auto pushes small messages over NVLink, not what would not fit.
-        let p = Plan::new(&c, request(256, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
-        assert_eq!(p.algorithm, Algorithm::Push);
-        let p = Plan::new(&c, request(257, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
-        assert_eq!(p.algorithm, Algorithm::OneStage);
-        // An explicit push: refused zero-copy, chunked to the zone staged.
-        assert!(matches!(
-            Plan::new(&c, request(300, Inputs::ZeroCopy, AlgoChoice::Push)),
-            Err(Error::PushTooLarge {
-                bytes: 1200,
-                capacity: 1024
-            })
-        ));
-        let p = Plan::new(&c, request(300, Inputs::Staged, AlgoChoice::Push)).expect("plan");
-        let steps: Vec<(usize, usize)> = p.steps().map(|s| (s.offset, s.len)).collect();
-        assert_eq!(steps, vec![(0, 256), (256, 44)]);
-        assert!(p.steps().all(|s| s.entry.algorithm == Algorithm::Push));
-        // Never on one device, by default.
-        let same = Request {
-            link: Link::SameDevice,
-            ..request(16, Inputs::ZeroCopy, AlgoChoice::Auto)
-        };
-        assert_eq!(
-            Plan::new(&c, same).expect("plan").algorithm,
-            Algorithm::OneStage
-        );
+    fn band(up_to: usize, algorithm: Algorithm) -> crate::thresholds::Band {
+        crate::thresholds::Band { up_to, algorithm }
     }
 
     #[test]
-    fn push_ll_plans_fit_the_ll_landing_zones() {
-        let c = Config {
-            push_ll_max_bytes: 1024,
-            ..Config::default()
-        };
-        // Auto runs push_ll for small messages over NVLink, then push for
-        // what does not fit the LL zones but fits push's.
-        let p = Plan::new(&c, request(256, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
-        assert_eq!(p.algorithm, Algorithm::PushLl);
-        let p = Plan::new(&c, request(257, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
-        assert_eq!(p.algorithm, Algorithm::Push);
-        assert!(matches!(
-            Plan::new(&c, request(300, Inputs::ZeroCopy, AlgoChoice::PushLl)),
-            Err(Error::PushLlTooLarge {
-                bytes: 1200,
-                capacity: 1024
-            })
-        ));
-        let p = Plan::new(&c, request(300, Inputs::Staged, AlgoChoice::PushLl)).expect("plan");
-        let steps: Vec<(usize, usize)> = p.steps().map(|s| (s.offset, s.len)).collect();
-        assert_eq!(steps, vec![(0, 256), (256, 44)]);
-        assert!(p.steps().all(|s| s.entry.algorithm == Algorithm::PushLl));
+    fn zone_plans_fit_their_landing_zones() {
+        for algo in [Algorithm::Push, Algorithm::PushLl, Algorithm::PushTwoStage] {
+            // A table that runs `algo` up to 64 KiB, then one-stage.
+            let mut t = Thresholds::default();
+            t.set_bands(
+                Link::NvLink,
+                2,
+                vec![band(64 << 10, algo), band(usize::MAX, Algorithm::OneStage)],
+            )
+            .expect("valid bands");
+            let mut c = Config {
+                thresholds: t,
+                ..Config::default()
+            };
+            match algo {
+                Algorithm::Push => c.push_max_bytes = 1024,
+                Algorithm::PushLl => c.push_ll_max_bytes = 1024,
+                _ => c.push_two_stage_max_bytes = 1024,
+            }
+            // Auto runs `algo` where it fits, the next band where not.
+            let p = Plan::new(&c, request(256, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
+            assert_eq!(p.algorithm, algo);
+            let p = Plan::new(&c, request(257, Inputs::ZeroCopy, AlgoChoice::Auto)).expect("plan");
+            assert_eq!(p.algorithm, Algorithm::OneStage, "{algo:?}");
+            // Explicit: refused zero-copy, chunked to the zone staged.
+            assert!(matches!(
+                Plan::new(&c, request(300, Inputs::ZeroCopy, AlgoChoice::from(algo))),
+                Err(Error::ZoneTooSmall {
+                    algorithm,
+                    bytes: 1200,
+                    capacity: 1024
+                }) if algorithm == algo
+            ));
+            let p =
+                Plan::new(&c, request(300, Inputs::Staged, AlgoChoice::from(algo))).expect("plan");
+            let steps: Vec<(usize, usize)> = p.steps().map(|s| (s.offset, s.len)).collect();
+            assert_eq!(steps, vec![(0, 256), (256, 44)]);
+            assert!(p.steps().all(|s| s.entry.algorithm == algo));
+            // Never on one device, by default.
+            let same = Request {
+                link: Link::SameDevice,
+                ..request(16, Inputs::ZeroCopy, AlgoChoice::Auto)
+            };
+            assert_eq!(
+                Plan::new(&c, same).expect("plan").algorithm,
+                Algorithm::OneStage
+            );
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::exchange::Exchange;
 use crate::ipc::{self, HANDLE};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
+use crate::thresholds::{self, Thresholds};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::{Arc, Mutex};
 
@@ -83,6 +84,33 @@ struct Pending {
     offset: u64,
 }
 
+/// Every rank must pick the same algorithm for the same call, so every
+/// rank must use the same `Auto` table (a thresholds file present on one
+/// machine only, or a different `P2P_ALLREDUCE_THRESHOLDS`, would break
+/// that).
+fn agree_on_thresholds(
+    exchange: &dyn Exchange,
+    thresholds: &Thresholds,
+    link: Link,
+    world: usize,
+) -> Result<()> {
+    let mine = thresholds.fingerprint(link, world);
+    let all = exchange.all_gather(&mine)?;
+    match all.iter().position(|f| *f != mine) {
+        None => Ok(()),
+        Some(other) => Err(Error::GroupMismatch {
+            rank: exchange.rank(),
+            other,
+            what: format!(
+                "Auto's table for {world} ranks over {} differs (this rank's comes from {:?}); \
+                 give every rank the same thresholds file (P2P_ALLREDUCE_THRESHOLDS) or the same Config::thresholds",
+                thresholds::link_label(link),
+                thresholds.origin()
+            ),
+        }),
+    }
+}
+
 impl ProcessGroup {
     /// Forms rank `exchange.rank()` of a group of `exchange.world()` processes.
     /// Every rank must pass the same `config`; a mismatch is reported.
@@ -94,6 +122,12 @@ impl ProcessGroup {
         kernels.prepare(world, false, config.threads_per_block)?;
         let own = RankBuffers::new(ctx, &config, world)?;
         let rv = ipc::rendezvous(ctx, exchange, &config, &own)?;
+        let thresholds = thresholds::resolve(&config.thresholds, ctx, rv.link, world)?;
+        agree_on_thresholds(exchange, &thresholds, rv.link, world)?;
+        let config = Config {
+            thresholds,
+            ..config
+        };
         let mut staging = [0u64; MAX_RANKS];
         staging[rank] = own.staging.ptr();
         let member = Member::new(
@@ -255,6 +289,7 @@ impl ProcessGroup {
             AlgoChoice::TwoStage => 2,
             AlgoChoice::Push => 3,
             AlgoChoice::PushLl => 4,
+            AlgoChoice::PushTwoStage => 5,
         };
         let mut mine = vec![T::DTYPE as u32 as u8, code(algo)];
         mine.extend_from_slice(&(input.len() as u64).to_le_bytes());

@@ -101,11 +101,12 @@ pub fn algo_name(a: AlgoChoice) -> &'static str {
         AlgoChoice::TwoStage => "two_stage",
         AlgoChoice::Push => "push",
         AlgoChoice::PushLl => "push_ll",
+        AlgoChoice::PushTwoStage => "push_two_stage",
     }
 }
 
-/// Parses `one_stage`, `two_stage`, `push`, `push_ll` or `auto` (also `1`,
-/// `2`, `one`, `two`, `ll`).
+/// Parses `one_stage`, `two_stage`, `push`, `push_ll`, `push_two_stage` or
+/// `auto` (also `1`, `2`, `one`, `two`, `ll`, `push2`).
 pub fn parse_algo(s: &str) -> Option<AlgoChoice> {
     match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
         "auto" => Some(AlgoChoice::Auto),
@@ -113,6 +114,7 @@ pub fn parse_algo(s: &str) -> Option<AlgoChoice> {
         "two_stage" | "two" | "2" | "twostage" => Some(AlgoChoice::TwoStage),
         "push" => Some(AlgoChoice::Push),
         "push_ll" | "pushll" | "ll" => Some(AlgoChoice::PushLl),
+        "push_two_stage" | "push2" => Some(AlgoChoice::PushTwoStage),
         _ => None,
     }
 }

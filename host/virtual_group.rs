@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
+use crate::thresholds;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -52,6 +53,10 @@ impl VirtualGroup {
     pub fn new(ctx: &Arc<CudaContext>, world: usize, config: Config) -> Result<Self> {
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
+        let config = Config {
+            thresholds: thresholds::resolve(&config.thresholds, ctx, Link::SameDevice, world)?,
+            ..config
+        };
         let kernels = Kernels::for_context(ctx)?;
         kernels.prepare(world, true, config.threads_per_block)?;
         let own = (0..world)

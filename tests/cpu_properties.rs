@@ -331,6 +331,101 @@ fn model<E: Element>(
             }
             outputs = vec![out; n];
         }
+        Algorithm::PushTwoStage => {
+            // The kernel's data movement: landing parts [owner][source]
+            // with a scatter region (the source's share of the owner's
+            // partition), a gather region (the source's reduced partition)
+            // and a tail pack, each entry remembering the block that wrote
+            // it: the Start and Mid barriers are per block, so a reader's
+            // block must be the writer's. Regions hold ceil(packs / n)
+            // packs, the layout's minimum (`PushTwoStagePart`).
+            let half = s.packs.div_ceil(n as u64) as usize;
+            type Region = Vec<Option<(Pack, usize)>>;
+            let mut scatter: Vec<Vec<Region>> = vec![vec![vec![None; half]; n]; n];
+            let mut gather: Vec<Vec<Region>> = vec![vec![vec![None; half]; n]; n];
+            let mut tails: Vec<Vec<Vec<Option<u32>>>> =
+                vec![vec![vec![None; lanes as usize]; n]; n];
+            let block_of = |g: u64| g as usize / grid.threads;
+            // Stage 1: each peer's partition into its zone, and the tail.
+            for (rank, x) in inputs.iter().enumerate() {
+                for k in 1..n {
+                    let p = (rank + k) % n;
+                    let (ps, pe) = partition(s.packs, n as u32, p as u32);
+                    for g in 0..stride {
+                        let mut j = g;
+                        while ps + j < pe {
+                            let cell = &mut scatter[p][rank][j as usize];
+                            assert!(cell.is_none(), "scatter pack {j} written twice");
+                            *cell = Some((load_pack(x, ps + j), block_of(g)));
+                            j += stride;
+                        }
+                    }
+                    for g in 0..stride.min(s.tail) {
+                        tails[p][rank][g as usize] = Some(load_elem::<E>(x, s.packs * lanes + g));
+                    }
+                }
+            }
+            // Stage 2 (after Start): own partition from own input and zone.
+            outputs = vec![fresh(); n];
+            for (rank, out) in outputs.iter_mut().enumerate() {
+                let (rs, re) = partition(s.packs, n as u32, rank as u32);
+                for g in 0..stride {
+                    let mut j = g;
+                    while rs + j < re {
+                        let mut v: Vec<Pack> = (0..n)
+                            .map(|src| {
+                                if src == rank {
+                                    return load_pack(&inputs[rank], rs + j);
+                                }
+                                let (pk, wb) = scatter[rank][src][j as usize]
+                                    .expect("every scatter pack written before Start");
+                                assert_eq!(wb, block_of(g), "Start is per block");
+                                pk
+                            })
+                            .collect();
+                        if order == AddOrder::Rotated {
+                            v.rotate_left(rank);
+                        }
+                        let r = reduce_packs::<E>(&v);
+                        store_pack(out, rs + j, r);
+                        for (p, zone) in gather.iter_mut().enumerate() {
+                            if p != rank {
+                                zone[rank][j as usize] = Some((r, block_of(g)));
+                            }
+                        }
+                        j += stride;
+                    }
+                }
+                for g in 0..stride.min(s.tail) {
+                    let idx = s.packs * lanes + g;
+                    let v = reduce_scalar::<E>((0..n).map(|src| {
+                        if src == rank {
+                            load_elem::<E>(&inputs[rank], idx)
+                        } else {
+                            tails[rank][src][g as usize].expect("tail written before Start")
+                        }
+                    }));
+                    store_elem::<E>(out, idx, v);
+                }
+            }
+            // Stage 3 (after Mid): the peers' partitions from own zone.
+            for (rank, out) in outputs.iter_mut().enumerate() {
+                for k in 1..n {
+                    let p = (rank + k) % n;
+                    let (ps, pe) = partition(s.packs, n as u32, p as u32);
+                    for g in 0..stride {
+                        let mut j = g;
+                        while ps + j < pe {
+                            let (v, wb) = gather[rank][p][j as usize]
+                                .expect("every gather pack written before Mid");
+                            assert_eq!(wb, block_of(g), "Mid is per block");
+                            store_pack(out, ps + j, v);
+                            j += stride;
+                        }
+                    }
+                }
+            }
+        }
         Algorithm::TwoStage => {
             // Stage 1: every rank reduces its own partition into scratch
             // and its output, remembering which block wrote each pack.
@@ -514,13 +609,17 @@ proptest! {
 }
 
 /// The checks above can fail: the rank-rotated two-stage order of other
-/// implementations is caught on every dtype, and so is one corrupted element.
+/// implementations is caught on every dtype (in both two-stage algorithms),
+/// and so is one corrupted element.
 #[test]
 fn rotated_two_stage_order_is_detected() {
-    for dtype in Dtype::ALL {
+    for (dtype, algo) in Dtype::ALL
+        .into_iter()
+        .flat_map(|d| [(d, Algorithm::TwoStage), (d, Algorithm::PushTwoStage)])
+    {
         let case = Case {
             dtype,
-            algo: Algorithm::TwoStage,
+            algo,
             world: 4,
             len: 4096 + 3,
             seed: 1,

@@ -41,6 +41,7 @@ fn main() {
         ("peer_group_real_rank_entries_every_gpu", peer_group),
         ("peer_group_graph_replays", peer_group_graphs),
         ("push_back_to_back_with_changing_grids", push_changing_grids),
+        ("thresholds_file_moves_auto", thresholds_file),
         ("ipc_process_group_every_gpu", ipc_processes),
         ("killed_rank_process_times_out_and_recovers", killed_rank),
         #[cfg(feature = "nccl")]
@@ -1131,18 +1132,17 @@ fn peer_case<T: Bits>(
     let bytes = len * dtype.size();
     let fits = match algo {
         Algorithm::TwoStage => bytes <= grp.config().max_bytes,
-        Algorithm::Push => bytes <= grp.config().push_max_bytes,
-        Algorithm::PushLl => bytes <= grp.config().push_ll_max_bytes,
-        Algorithm::OneStage => true,
+        zoned => grp
+            .config()
+            .zone_capacity(zoned)
+            .is_none_or(|cap| bytes <= cap),
     };
     if !fits {
         let r = grp.allreduce_registered(streams, &reg, len, &mut outs, algo.into());
         assert!(
             matches!(
                 r,
-                Err(Error::ScratchTooSmall { .. })
-                    | Err(Error::PushTooLarge { .. })
-                    | Err(Error::PushLlTooLarge { .. })
+                Err(Error::ScratchTooSmall { .. }) | Err(Error::ZoneTooSmall { .. })
             ),
             "{what}: expected a refusal, got {r:?}"
         );
@@ -1887,4 +1887,98 @@ fn nccl_routed(g: &Gpu) {
     println!(
         "  NCCL world {world} (GPUs 0..{world}): allreduce equals the reference; Auto hands messages above nccl_above to NCCL, smaller ones to the kernels"
     );
+}
+
+// ---------------------------------------------------------------------------
+// Thresholds files: a hand-made table changes what Auto runs.
+
+/// Sets `P2P_ALLREDUCE_THRESHOLDS` for the life of the guard.
+struct ThresholdsEnv;
+
+impl ThresholdsEnv {
+    fn set(value: &std::path::Path) -> Self {
+        // The suite runs its cases one at a time on one thread.
+        std::env::set_var(p2p_allreduce::thresholds::ENV_VAR, value);
+        ThresholdsEnv
+    }
+}
+
+impl Drop for ThresholdsEnv {
+    fn drop(&mut self) {
+        std::env::remove_var(p2p_allreduce::thresholds::ENV_VAR);
+    }
+}
+
+fn thresholds_file(g: &Gpu) {
+    use p2p_allreduce::thresholds::{FileBand, Origin, ThresholdsFile, TunedTable, FORMAT};
+    let dir = std::env::temp_dir().join(format!("p2p-thresholds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("thresholds.json");
+    let gpu = driver::device_info(&g.ctx).expect("device info").name;
+    let gpus = driver::device_count().expect("device count");
+    // World 3 on this GPU: push_ll up to 64 bytes, then push_two_stage
+    // (the built-in table never pushes on one device).
+    let file = ThresholdsFile {
+        format: FORMAT.into(),
+        tables: vec![TunedTable {
+            gpu,
+            gpus,
+            links: vec![],
+            link: "same".into(),
+            world: 3,
+            dtype: "f32".into(),
+            measured: "gpu suite, hand-made".into(),
+            bands: vec![
+                FileBand {
+                    up_to: Some(64),
+                    algorithm: "push_ll".into(),
+                },
+                FileBand {
+                    up_to: None,
+                    algorithm: "push_two_stage".into(),
+                },
+            ],
+        }],
+    };
+    std::fs::write(&path, file.to_json()).expect("write thresholds file");
+    let _env = ThresholdsEnv::set(&path);
+    let grp = VirtualGroup::new(&g.ctx, 3, Config::with_max_bytes(1 << 20)).expect("group");
+    assert!(
+        matches!(grp.config().thresholds.origin(), Origin::File { .. }),
+        "{:?}",
+        grp.config().thresholds.origin()
+    );
+    for (len, want) in [
+        (16usize, Algorithm::PushLl),
+        (100_003, Algorithm::PushTwoStage),
+    ] {
+        let inputs = values::adversarial_inputs(Dtype::F32, 3, len, 77 + len as u64, true);
+        let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let expect = reference::allreduce_bits(Dtype::F32, &refs);
+        let ins: Vec<CudaSlice<f32>> = inputs.iter().map(|b| upload::<f32>(g, b)).collect();
+        let in_refs: Vec<&CudaSlice<f32>> = ins.iter().collect();
+        let mut outs: Vec<CudaSlice<f32>> = (0..3).map(|_| poisoned::<f32>(g, len)).collect();
+        let used = grp
+            .allreduce(&g.stream, &in_refs, &mut outs, AlgoChoice::Auto)
+            .expect("allreduce");
+        assert_eq!(used, want, "len {len}");
+        grp.check(&g.stream).expect("check");
+        let got: Vec<Vec<u32>> = outs.iter().map(|o| download(g, o, len)).collect();
+        assert_ranks(&format!("file table, len {len}"), Dtype::F32, &got, &expect);
+    }
+    // No entry for world 2: the built-in table.
+    let two = VirtualGroup::new(&g.ctx, 2, Config::with_max_bytes(1 << 20)).expect("group");
+    assert_eq!(two.config().thresholds.origin(), &Origin::BuiltIn);
+    // A broken file, and a named file that does not exist: typed errors.
+    std::fs::write(&path, "{ not json").expect("write");
+    let r = VirtualGroup::new(&g.ctx, 3, Config::with_max_bytes(1 << 20));
+    assert!(matches!(r, Err(Error::ThresholdsFile { .. })), "{r:?}");
+    let _missing = ThresholdsEnv::set(&dir.join("missing.json"));
+    let r = VirtualGroup::new(&g.ctx, 3, Config::with_max_bytes(1 << 20));
+    assert!(matches!(r, Err(Error::ThresholdsFile { .. })), "{r:?}");
+    // `none`: the built-in table, whatever the files say.
+    let _none = ThresholdsEnv::set(std::path::Path::new("none"));
+    let r = VirtualGroup::new(&g.ctx, 3, Config::with_max_bytes(1 << 20)).expect("group");
+    assert_eq!(r.config().thresholds.origin(), &Origin::BuiltIn);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -401,7 +401,12 @@ impl Protocol {
             epoch_before: 0,
             dies: None,
             late: None,
-            landing_slots: 2,
+            // One slot for push_two_stage (`barrier::barriers` says why).
+            landing_slots: if matches!(algo, Algorithm::PushTwoStage) {
+                1
+            } else {
+                2
+            },
             wait: WaitRule::Reached,
             ll_layout: LlLayout::InEveryWord,
             ll_fixed_epoch: None,
@@ -721,6 +726,50 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
+    /// PushTwoStage: partitions into their owners' landing zones, `Start`,
+    /// the own partition reduced in rank order into the output and into
+    /// every peer's zone, `Mid`, the peers' reduced partitions copied from
+    /// the own zone. The kernels keep the two stages' data in separate
+    /// regions of a part; here they are the same cells' disjoint indices
+    /// (the owner's partition, then the source's own).
+    fn push_two_stage(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
+        let (n, len) = (self.p.world, self.p.len);
+        let slot = self.landing_slot(epoch);
+        let part = |p: usize| {
+            let (s, e) = partition(len as u64, n as u32, p as u32);
+            s as usize..e as usize
+        };
+        for (p, mem) in self.world.iter().enumerate().filter(|(p, _)| *p != self.me) {
+            for i in part(p) {
+                let v = Self::read(&self.world[self.me].input[i]);
+                Self::write(mem.landing(slot, self.me, i), v);
+            }
+        }
+        self.barrier(c, BarrierKind::Start, epoch)?;
+        for i in part(self.me) {
+            out[i] = self.reduce_landed(c, epoch, i);
+            for (p, mem) in self.world.iter().enumerate() {
+                if p != self.me {
+                    Self::write(mem.landing(slot, self.me, i), out[i]);
+                }
+            }
+        }
+        self.barrier(c, BarrierKind::Mid, epoch)?;
+        for owner in (0..n).filter(|&p| p != self.me) {
+            for i in part(owner) {
+                out[i] = Self::read(self.world[self.me].landing(slot, owner, i));
+                assert_eq!(
+                    out[i],
+                    expected_sum(c, n, i),
+                    "rank {} collective {c}: landing slot {slot} part {owner} element {i} is stale: \
+                     read before rank {owner} wrote its reduced partition, or after it was overwritten",
+                    self.me
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// One kernel: the collective `c` with this rank's input in place.
     fn kernel(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
         let (n, len) = (self.p.world, self.p.len);
@@ -732,6 +781,9 @@ impl<'a> Rank<'a> {
             }
             self.push_ll_to_peers(epoch);
             return self.reduce_ll(c, epoch, out);
+        }
+        if self.p.algo == Algorithm::PushTwoStage {
+            return self.push_two_stage(c, epoch, out);
         }
         if self.p.algo == Algorithm::Push {
             self.push_to_peers(epoch);
@@ -748,7 +800,7 @@ impl<'a> Rank<'a> {
                     *o = self.reduce(c, i);
                 }
             }
-            Algorithm::PushLl => unreachable!("push_ll returned above"),
+            Algorithm::PushLl | Algorithm::PushTwoStage => unreachable!("returned above"),
             Algorithm::TwoStage => {
                 let (s, e) = partition(len as u64, n as u32, self.me as u32);
                 for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
@@ -1455,4 +1507,74 @@ fn push_ll_with_flag_after_data_is_caught() {
         ..Protocol::kernels(2, 1, 2, Algorithm::PushLl)
     };
     assert_race(&model_failure(p, 2));
+}
+
+// ---------------------------------------------------------------------------
+// PushTwoStage: Start and Mid, both publishing; no End.
+
+#[test]
+fn kernels_push_two_stage_two_ranks_three_collectives() {
+    model_completes(Protocol::kernels(2, 2, 3, Algorithm::PushTwoStage), 2);
+}
+
+/// One slot serves every collective: three collectives on two ranks, with
+/// the kernels' single slot, and with more preemptions.
+#[test]
+fn kernels_push_two_stage_one_slot_three_collectives() {
+    let p = Protocol::kernels(2, 2, 3, Algorithm::PushTwoStage);
+    assert_eq!(p.landing_slots, 1);
+    model_completes(p, 3);
+}
+
+#[test]
+fn kernels_push_two_stage_three_ranks_two_collectives() {
+    model_completes(Protocol::kernels(3, 3, 2, Algorithm::PushTwoStage), 0);
+}
+
+/// Mid must publish: the reduced partitions are written into the peers'
+/// zones in the same kernel, just before the arrival.
+#[test]
+fn push_two_stage_with_relaxed_mid_is_caught() {
+    let p = Protocol {
+        mid: Some(Order::ArrivalOnly),
+        ..Protocol::kernels(2, 2, 1, Algorithm::PushTwoStage)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// Without Mid a rank copies a peer's reduced partition before it lands.
+#[test]
+fn push_two_stage_without_mid_is_caught() {
+    let p = Protocol {
+        mid: None,
+        ..Protocol::kernels(2, 2, 1, Algorithm::PushTwoStage)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// Start must publish: the partitions are written just before it.
+#[test]
+fn push_two_stage_with_relaxed_start_is_caught() {
+    let p = Protocol {
+        start: Some(Order::ArrivalOnly),
+        ..Protocol::kernels(2, 2, 1, Algorithm::PushTwoStage)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// A dead peer at Mid: the survivor times out there and names it.
+#[test]
+fn push_two_stage_dead_peer_at_mid_times_out_with_record() {
+    let p = Protocol {
+        timeout_ns: 50,
+        dies: Some((1, 0, BarrierKind::Mid)),
+        ..Protocol::kernels(2, 2, 1, Algorithm::PushTwoStage)
+    };
+    model_with_fault(p, 1, |outcomes| {
+        assert_eq!(outcomes[1], Outcome::Died);
+        assert_eq!(
+            outcomes[0],
+            Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Mid))
+        );
+    });
 }

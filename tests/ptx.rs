@@ -33,7 +33,7 @@ fn target_matches_arch() {
 fn every_entry_is_present_with_one_launch_args_parameter() {
     for m in MODULES {
         let entries = Entry::all();
-        assert_eq!(entries.len(), 192);
+        assert_eq!(entries.len(), 240);
         for e in entries {
             let name = e.name();
             let decl = format!(".entry {name}(");
@@ -50,7 +50,7 @@ fn every_entry_is_present_with_one_launch_args_parameter() {
             );
         }
         let count = m.ptx.matches(".entry ").count();
-        assert_eq!(count, 192, "{}: unexpected extra entries", m.arch);
+        assert_eq!(count, 240, "{}: unexpected extra entries", m.arch);
     }
 }
 
@@ -108,7 +108,7 @@ fn ptxas_assembles_every_arch_without_spills() {
         let report = ptxas::assemble(&ptxas_bin, &file, m.arch).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             report.len(),
-            192,
+            240,
             "{}: ptxas reported {} entries",
             m.arch,
             report.len()
@@ -127,6 +127,20 @@ fn ptxas_assembles_every_arch_without_spills() {
                 "{}: {} spills to local memory: {k:?}",
                 m.arch,
                 k.entry
+            );
+            // 512-thread blocks (the default) need at most 128 registers
+            // per thread. Known exception: sm_80's f16/bf16 push_two_stage
+            // virtual entries for 7 and 8 ranks (130-132; a single-GPU
+            // test configuration there, which needs threads_per_block 256).
+            let known = m.arch == "sm_80"
+                && k.entry.starts_with("allreduce_push_two_stage_")
+                && k.entry.ends_with("_virtual");
+            assert!(
+                k.registers <= 128 || (known && k.registers <= 160),
+                "{}: {} needs {} registers: 512-thread blocks would not launch",
+                m.arch,
+                k.entry,
+                k.registers
             );
         }
     }

@@ -25,7 +25,7 @@ pub const BUFFER_ALIGN: usize = PACK_BYTES;
 pub enum BarrierKind {
     /// Before any rank reads a peer's input.
     Start = 1,
-    /// Two-stage only: between reduce-scatter and all-gather.
+    /// Two-stage and push two-stage: between reduce-scatter and all-gather.
     Mid = 2,
     /// One-stage only: after every read of peer inputs, before any rank may
     /// return and let its input be overwritten. Two-stage needs none: peers
@@ -112,8 +112,10 @@ impl Signal {
     }
     pub const EPOCH_OFFSET: usize = 3 * MAX_BLOCKS * MAX_RANKS * 4;
     /// Where a rank's landing zones start in its signal allocation: right
-    /// after the [`Signal`], push's first, then push_ll's
-    /// (`LaunchArgs::landing_offset` says where each is). Layout of each:
+    /// after the [`Signal`], push's first, then push_ll's, then
+    /// push_two_stage's (`LaunchArgs::landing_offset` says where each is;
+    /// the last one has one slot, `[source 0..N][part]`, its parts laid out
+    /// by [`PushTwoStagePart`]). Layout of each:
     /// `[slot 0..2][source 0..N][part]`, each part `LaunchArgs::landing_part`
     /// bytes (fixed for the group; at least `ceil(count / lanes) * 16` for
     /// push and twice that for push_ll), slot = the collective's epoch
@@ -121,6 +123,53 @@ impl Signal {
     /// slots suffice).
     pub const LANDING_OFFSET: usize = core::mem::size_of::<Signal>();
     pub const ERROR_OFFSET: usize = Self::EPOCH_OFFSET + MAX_BLOCKS * 4;
+}
+
+/// The layout of one source's part of push_two_stage's landing zone (one
+/// slot, unlike push and push_ll: [`crate::barrier::barriers`] says why),
+/// for
+/// messages of up to `cap_packs` packs in a `world`-rank group: `half`
+/// packs for the source's share of the owner's partition (reduce-scatter,
+/// at pack 0), `half` packs for the source's own reduced partition
+/// (all-gather, at pack `half`), then one pack for the source's tail
+/// elements. `half = ceil(cap_packs / world)` is the longest partition
+/// ([`crate::reduce::partition`]) of any message that fits. The kernels
+/// derive `half` from `LaunchArgs::landing_part`, so host and device agree
+/// by construction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PushTwoStagePart {
+    /// Packs per region.
+    pub half: u64,
+}
+
+impl PushTwoStagePart {
+    pub const fn for_capacity(cap_packs: u64, world: u64) -> Self {
+        PushTwoStagePart {
+            half: cap_packs.div_ceil(if world == 0 { 1 } else { world }),
+        }
+    }
+    /// From `LaunchArgs::landing_part` (`bytes()` of some layout).
+    pub const fn from_part_bytes(part: u64) -> Self {
+        PushTwoStagePart {
+            half: (part / PACK_BYTES as u64).saturating_sub(1) / 2,
+        }
+    }
+    /// `LaunchArgs::landing_part`.
+    pub const fn bytes(self) -> u64 {
+        (2 * self.half + 1) * PACK_BYTES as u64
+    }
+    /// Byte offset of the reduce-scatter region.
+    pub const fn scatter(self) -> u64 {
+        0
+    }
+    /// Byte offset of the all-gather region.
+    pub const fn gather(self) -> u64 {
+        self.half * PACK_BYTES as u64
+    }
+    /// Byte offset of the tail pack.
+    pub const fn tail(self) -> u64 {
+        2 * self.half * PACK_BYTES as u64
+    }
 }
 
 /// Buffer pointers as seen from one rank's address space: every rank's input
@@ -161,14 +210,14 @@ pub struct LaunchArgs {
     /// sets to its error code after writing an error record (0: none), so
     /// the host learns of an error without synchronising.
     pub host_error: u64,
-    /// Push and PushLl: bytes of one source's part of a landing zone (the
+    /// Push, PushLl and PushTwoStage: bytes of one source's part of a landing zone (the
     /// same on every rank). The layout must not depend on the message: a
     /// peer one collective ahead writes the other slot while this rank
     /// still reads this one, and slots of different sizes would overlap.
     pub landing_part: u64,
-    /// Push and PushLl: bytes from the start of every rank's signal
-    /// allocation to the landing zone of this algorithm (the two zones are
-    /// distinct, see [`crate::ll`]).
+    /// Push, PushLl and PushTwoStage: bytes from the start of every rank's
+    /// signal allocation to the landing zone of this algorithm (the zones
+    /// are distinct, see [`crate::ll`]).
     pub landing_offset: u64,
 }
 
@@ -193,6 +242,10 @@ const _: () = {
     assert!(offset_of!(LaunchArgs, host_error) == 160);
     assert!(offset_of!(LaunchArgs, landing_part) == 168);
     assert!(offset_of!(LaunchArgs, landing_offset) == 176);
+    // A push_two_stage part round-trips through `landing_part`.
+    let l = PushTwoStagePart::for_capacity(1000, 3);
+    assert!(PushTwoStagePart::from_part_bytes(l.bytes()).half == l.half);
+    assert!(l.half * 3 >= 1000);
 };
 
 /// Element types the kernels reduce.
@@ -240,14 +293,22 @@ pub enum Algorithm {
     /// lines, [`crate::ll`]): no flag, no fence, no barrier; one one-way
     /// trip. Twice the bytes on the wire (the smallest messages).
     PushLl,
+    /// Two-stage by writes only: reduce-scatter (each rank writes partition
+    /// j of its input into rank j's landing zone; j reduces it in rank
+    /// order), then all-gather (each owner writes its reduced partition
+    /// into every peer's landing zone). Every byte crosses the links once
+    /// per stage as a posted write, as in two-stage, but no rank reads
+    /// peer memory (PCIe: reads are non-posted round trips).
+    PushTwoStage,
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 4] = [
+    pub const ALL: [Algorithm; 5] = [
         Algorithm::OneStage,
         Algorithm::TwoStage,
         Algorithm::Push,
         Algorithm::PushLl,
+        Algorithm::PushTwoStage,
     ];
     pub const fn name(self) -> &'static str {
         match self {
@@ -255,6 +316,7 @@ impl Algorithm {
             Algorithm::TwoStage => "two_stage",
             Algorithm::Push => "push",
             Algorithm::PushLl => "push_ll",
+            Algorithm::PushTwoStage => "push_two_stage",
         }
     }
 }

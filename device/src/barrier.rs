@@ -33,9 +33,10 @@ use crate::abi::{Algorithm, BarrierKind};
 
 /// The memory order of barrier `kind` in algorithm `algo`.
 ///
-/// - `Start` of [`Algorithm::Push`] must be [`Order::Publish`]: each rank
-///   wrote its input into the peers' landing zones in the same kernel just
-///   before arriving, and the peers read them right after their wait.
+/// - `Start` of [`Algorithm::Push`] and [`Algorithm::PushTwoStage`] must be
+///   [`Order::Publish`]: each rank wrote its input into the peers' landing
+///   zones in the same kernel just before arriving, and the peers read them
+///   right after their wait.
 /// - `Start` (pull algorithms) is [`Order::ArrivalOnly`]: what peers read after it (the
 ///   inputs) was written by earlier work on the owner's stream, which had
 ///   completed, all its writes performed, before the owner's kernel began
@@ -47,12 +48,14 @@ use crate::abi::{Algorithm, BarrierKind};
 ///   `bar.sync` and arrival, and the owner overwrites its input only in
 ///   later stream work, after its kernel (and so its wait) completed.
 /// - `Mid` must be [`Order::Publish`]: peers read the partial sums written
-///   earlier in the same kernel, with no stream boundary in between, so
-///   only release/acquire on the flag orders those writes before the reads.
+///   earlier in the same kernel (two-stage: in the owner's scratch;
+///   push_two_stage: written by the owner into the reader's landing zone),
+///   with no stream boundary in between, so only release/acquire on the
+///   flag orders those writes before the reads.
 #[inline(always)]
 pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
     match (algo, kind) {
-        (Algorithm::Push, BarrierKind::Start) => Order::Publish,
+        (Algorithm::Push | Algorithm::PushTwoStage, BarrierKind::Start) => Order::Publish,
         (_, BarrierKind::Start | BarrierKind::End) => Order::ArrivalOnly,
         (_, BarrierKind::Mid) => Order::Publish,
     }
@@ -86,6 +89,23 @@ pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
 ///   collective ahead would write a larger or smaller slot 1 that overlaps
 ///   the slot 0 still being read (seen on the GPUs as a wrong element).
 ///
+/// - PushTwoStage: `Start` (publishes each rank's partitions written into
+///   their owners' landing zones) and `Mid` (publishes each owner's reduced
+///   partition written into every peer's zone); no `End`, as for push: no
+///   rank reads peer memory. A part of a zone holds the source's share of
+///   the owner's partition and the source's own reduced partition in
+///   separate regions ([`crate::abi::PushTwoStagePart`]), and one slot
+///   serves every collective: a source writes the scatter region of the
+///   next collective only after passing this collective's `Mid`, which
+///   needs the owner's `Mid` arrival, made after the owner's last read of
+///   that region (stage 2); it writes the gather region of the next
+///   collective only after the next `Start`, which needs the owner's
+///   arrival there, made after the owner's whole kernel for this
+///   collective (every read of the gather region) completed. A peer
+///   reaches `Mid` of the next collective only after that collective's
+///   `Start`, which needs this rank's arrival, so no slot is ever ahead of
+///   the awaited epoch by more than one.
+///
 /// - PushLl: none. Its arrival signal is the data itself (flag-in-data
 ///   lines, [`crate::ll`], which says why two slots and equality on the
 ///   epoch suffice); each block commits the epoch after a `bar.sync` that
@@ -103,6 +123,7 @@ pub const fn barriers(algo: Algorithm) -> &'static [BarrierKind] {
         Algorithm::TwoStage => &[BarrierKind::Start, BarrierKind::Mid],
         Algorithm::Push => &[BarrierKind::Start],
         Algorithm::PushLl => &[],
+        Algorithm::PushTwoStage => &[BarrierKind::Start, BarrierKind::Mid],
     }
 }
 
@@ -150,6 +171,14 @@ const _: () = {
     ));
     assert!(matches!(
         order(Algorithm::Push, BarrierKind::Start),
+        Order::Publish
+    ));
+    assert!(matches!(
+        order(Algorithm::PushTwoStage, BarrierKind::Start),
+        Order::Publish
+    ));
+    assert!(matches!(
+        order(Algorithm::PushTwoStage, BarrierKind::Mid),
         Order::Publish
     ));
 };

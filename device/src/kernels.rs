@@ -1,7 +1,7 @@
 //! The allreduce entry points.
 //!
 //! Every entry takes one [`LaunchArgs`] by value. Names follow
-//! `allreduce_{one_stage|two_stage|push|push_ll}_{f32|f16|bf16}_w{N}[_virtual]`; the
+//! `allreduce_{one_stage|two_stage|push|push_ll|push_two_stage}_{f32|f16|bf16}_w{N}[_virtual]`; the
 //! host's entry table builds the same names from the same parts.
 //!
 //! Launch contract (checked by the host, and by the kernel where a wrong
@@ -13,7 +13,8 @@
 //! error records, element and pack loops); `pull.rs` the one-stage and
 //! two-stage entries, which read peers' buffers; `push.rs` the push entries,
 //! which write into peers' landing zones; `push_ll.rs` the push entries whose
-//! data carries its own arrival signal.
+//! data carries its own arrival signal; `push_two_stage.rs` reduce-scatter
+//! and all-gather by writes into landing zones.
 //!
 //! Which barriers run, and with which memory order, comes from the protocol
 //! table in [`crate::barrier`] ([`barriers`](crate::barrier::barriers),
@@ -410,6 +411,101 @@ unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: 
     }
 }
 
+/// What a push-family kernel has once [`push_start`] passed.
+struct PushStart {
+    own_sig: u64,
+    /// This rank's input (never null).
+    own_in: u64,
+    block: u32,
+    nblocks: u32,
+    tid: u32,
+    nthreads: u32,
+    /// This collective's epoch for this block, not yet committed.
+    epoch: u32,
+}
+
+/// The common start of the push kernels (push, push_ll, push_two_stage),
+/// which read only their own input: `None` for an absent rank or one past
+/// `N`, and after recording `BAD_LAUNCH` (more than [`MAX_BLOCKS`] blocks,
+/// or, where the kernel runs barriers, fewer threads than ranks) or
+/// `UNREGISTERED` (a null own input); otherwise the block's next epoch.
+///
+/// # Safety
+/// `a.signals[..N]` are the group's signals and `a.table` points to the
+/// group's [`RankTable`] (the launch contract).
+#[inline(always)]
+unsafe fn push_start<const N: usize>(
+    a: &LaunchArgs,
+    rank: u32,
+    barriers: bool,
+) -> Option<PushStart> {
+    if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
+        return None;
+    }
+    let block = block_idx_x();
+    let nblocks = grid_dim_x();
+    let tid = thread_idx_x();
+    let nthreads = block_dim_x();
+    let own_sig = pick::<N>(&a.signals, rank);
+    // SAFETY: `a.table` points to a RankTable the host filled (contract).
+    let own_in = unsafe { (*(a.table as *const RankTable)).inputs[rank as usize] };
+    let code = if nblocks as usize > MAX_BLOCKS || (barriers && (nthreads as usize) < N) {
+        error_code::BAD_LAUNCH
+    } else if own_in == 0 {
+        error_code::UNREGISTERED
+    } else {
+        error_code::NONE
+    };
+    if code != error_code::NONE {
+        if tid == 0 {
+            // SAFETY: `own_sig` is this rank's own signal (contract).
+            unsafe { record_error(own_sig, a.host_error, code, rank, block, 0, 0, 0) };
+        }
+        return None;
+    }
+    let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
+    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
+    let epoch = next_epoch(unsafe { read_volatile(epoch_ptr) });
+    Some(PushStart {
+        own_sig,
+        own_in,
+        block,
+        nblocks,
+        tid,
+        nthreads,
+        epoch,
+    })
+}
+
+/// The real-rank and virtual-rank entries of a push-family kernel `$f`,
+/// one pair per (element type, world) line.
+macro_rules! push_entries {
+    ($f:ident; $( $name:ident, $vname:ident: $E:ty, $N:literal; )*) => { $(
+        /// A real-rank entry: this rank is `a.rank`.
+        ///
+        /// # Safety
+        /// Launched by the host under the launch contract of the module
+        /// documentation, with `a` filled as the kernel function requires.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(a: LaunchArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { $f::<$E, $N>(&a, a.rank) }
+        }
+        /// A virtual-rank entry: this rank is `blockIdx.y`.
+        ///
+        /// # Safety
+        /// As for the real-rank entry, with `gridDim.y == N` and every
+        /// block co-resident.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $vname(a: LaunchArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { $f::<$E, $N>(&a, block_idx_y()) }
+        }
+    )* };
+}
+use push_entries;
+
 mod pull;
 mod push;
 mod push_ll;
+mod push_two_stage;

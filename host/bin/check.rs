@@ -126,6 +126,7 @@ fn selection(args: &CheckArgs) -> (Vec<Dtype>, Vec<AlgoChoice>, &'static [usize]
             AlgoChoice::TwoStage,
             AlgoChoice::Push,
             AlgoChoice::PushLl,
+            AlgoChoice::PushTwoStage,
             AlgoChoice::Auto,
         ]
     } else {
@@ -418,6 +419,7 @@ fn config_for(lengths: &[usize], max_blocks: Option<u32>) -> Config {
         // Registered push cases up to the longest length fit the landing zones.
         push_max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
         push_ll_max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
+        push_two_stage_max_bytes: longest.next_multiple_of(1 << 20).max(1 << 20),
         max_blocks,
         ..Config::default()
     }

@@ -3,7 +3,8 @@
 use crate::fmt_bytes;
 use p2p_allreduce::driver::{self, DeviceInfo};
 use p2p_allreduce::ptx::{self, Entry, KernelStats};
-use p2p_allreduce::topology;
+use p2p_allreduce::thresholds::{self, Origin};
+use p2p_allreduce::{topology, Link};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -146,6 +147,83 @@ fn print_gpus() {
         print_peer_matrix(&opened);
     } else if n == 1 {
         println!("peer access: one GPU (virtual ranks only; `check --gpus 0,0` runs real-rank kernels on it)");
+    }
+    print_auto_tables(&opened);
+}
+
+/// Which table `Auto` uses on this machine: the thresholds file (and
+/// whether it has an entry for these GPUs) or the built-in one.
+fn print_auto_tables(ctxs: &[Arc<cudarc::driver::CudaContext>]) {
+    println!();
+    match thresholds::file_path() {
+        None => println!(
+            "Auto's tables: built in ({} is `none`)",
+            thresholds::ENV_VAR
+        ),
+        Some((path, from_env)) => println!(
+            "Auto's tables: thresholds file {} ({}{}; write it with `p2p-allreduce tune`)",
+            path.display(),
+            if path.exists() {
+                "present"
+            } else {
+                "not present"
+            },
+            if from_env {
+                format!(", from {}", thresholds::ENV_VAR)
+            } else {
+                String::new()
+            }
+        ),
+    }
+    let Some(first) = ctxs.first() else {
+        return;
+    };
+    let gpu = match driver::device_info(first) {
+        Ok(i) => i.name,
+        Err(e) => {
+            println!("  cannot name GPU 0: {e}");
+            return;
+        }
+    };
+    // Groups of the first w GPUs over their slowest link, or virtual ranks
+    // on one GPU.
+    let groups: Vec<(usize, Link)> = if ctxs.len() >= 2 {
+        (2..=ctxs.len())
+            .map(|w| {
+                let mut link = Link::SameDevice;
+                for a in &ctxs[..w] {
+                    for b in &ctxs[..w] {
+                        if let Ok(Some(l)) = topology::link_between(a, b) {
+                            link = topology::slowest(link, l);
+                        }
+                    }
+                }
+                (w, link)
+            })
+            .collect()
+    } else {
+        vec![
+            (2, Link::SameDevice),
+            (4, Link::SameDevice),
+            (8, Link::SameDevice),
+        ]
+    };
+    for (world, link) in groups {
+        match thresholds::for_machine(&gpu, ctxs.len(), link, world) {
+            Ok(t) => {
+                let from = match t.origin() {
+                    Origin::BuiltIn => "built in".to_string(),
+                    Origin::File { table, .. } => format!("file: {table}"),
+                    Origin::Custom => "custom".to_string(),
+                };
+                println!(
+                    "  {world} ranks over {}: {} ({from})",
+                    thresholds::link_label(link),
+                    thresholds::describe_bands(t.bands(link, world))
+                );
+            }
+            Err(e) => println!("  {world} ranks over {}: {e}", thresholds::link_label(link)),
+        }
     }
 }
 

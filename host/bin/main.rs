@@ -5,6 +5,8 @@
 //! - `check`: a bit-exact validation sweep against the CPU reference.
 //! - `bench`: latency and bandwidth in the conventions of nccl-tests'
 //!   `all_reduce_perf`.
+//! - `tune`: measures every algorithm on this machine and writes the
+//!   thresholds file `Auto` reads.
 //!
 //! Without a subcommand: `info`, then (when a GPU is present) a quick check
 //! and a short benchmark.
@@ -17,6 +19,7 @@ mod check;
 mod info;
 mod plot;
 mod procs;
+mod tune;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -52,6 +55,11 @@ enum Command {
     /// all_reduce_perf, on virtual ranks of one GPU or on real ranks
     /// (--gpus, --procs).
     Bench(bench::BenchArgs),
+    /// Times every algorithm x size x world on this machine (real ranks
+    /// with --gpus, else virtual ranks) and writes the thresholds file
+    /// that Auto loads (P2P_ALLREDUCE_THRESHOLDS, else
+    /// ~/.config/p2p-allreduce/thresholds.json).
+    Tune(tune::TuneArgs),
 }
 
 fn main() -> ExitCode {
@@ -67,6 +75,7 @@ fn main() -> ExitCode {
         Some(Command::Info(a)) => info::run(&a),
         Some(Command::Check(a)) => check::run(&a),
         Some(Command::Bench(a)) => bench::run(&a),
+        Some(Command::Tune(a)) => tune::run(&a),
         None => default_run(),
     }
 }
@@ -265,7 +274,8 @@ mod tests {
         assert_eq!((b.iters, b.warmup_iters), (25, 3));
         assert_eq!(b.datatype, Dtype::Bf16);
         assert_eq!(b.world, vec![8]);
-        assert_eq!(b.algo.len(), 5);
+        assert_eq!(b.algo.len(), 6);
+        assert_eq!(b, bench::BenchArgs::default(), "clap defaults = Default");
         let cli = Cli::try_parse_from([
             "p2p-allreduce",
             "bench",

@@ -17,33 +17,19 @@ use super::*;
 /// bytes at `a.landing_offset`, past the [`Signal`].
 #[inline(always)]
 unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) {
-    if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
+    // SAFETY: the launch contract.
+    let Some(PushStart {
+        own_sig,
+        own_in,
+        block,
+        nblocks,
+        tid,
+        nthreads,
+        epoch,
+    }) = (unsafe { push_start::<N>(a, rank, true) })
+    else {
         return;
-    }
-    let block = block_idx_x();
-    let nblocks = grid_dim_x();
-    let tid = thread_idx_x();
-    let nthreads = block_dim_x();
-    let own_sig = pick::<N>(&a.signals, rank);
-    // SAFETY: `a.table` points to a RankTable the host filled (contract).
-    let own_in = unsafe { (*(a.table as *const RankTable)).inputs[rank as usize] };
-    let code = if nblocks as usize > MAX_BLOCKS || (nthreads as usize) < N {
-        error_code::BAD_LAUNCH
-    } else if own_in == 0 {
-        error_code::UNREGISTERED
-    } else {
-        error_code::NONE
     };
-    if code != error_code::NONE {
-        if tid == 0 {
-            // SAFETY: `own_sig` is this rank's own signal (contract).
-            unsafe { record_error(own_sig, a.host_error, code, rank, block, 0, 0, 0) };
-        }
-        return;
-    }
-    let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
-    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
-    let epoch = next_epoch(unsafe { read_volatile(epoch_ptr) });
 
     let lanes = E::LANES as u64;
     let s = split(a.count, lanes);
@@ -154,32 +140,8 @@ unsafe fn allreduce_push<E: Element, const N: usize>(a: &LaunchArgs, rank: u32) 
     }
 }
 
-macro_rules! push_entries {
-    ($( $name:ident, $vname:ident: $E:ty, $N:literal; )*) => { $(
-        /// A real-rank push entry: this rank is `a.rank`.
-        ///
-        /// # Safety
-        /// Launched by the host under the launch contract of the module
-        /// documentation, with `a` filled as `allreduce_push` requires.
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $name(a: LaunchArgs) {
-            // SAFETY: the launch contract is the caller's.
-            unsafe { allreduce_push::<$E, $N>(&a, a.rank) }
-        }
-        /// A virtual-rank push entry: this rank is `blockIdx.y`.
-        ///
-        /// # Safety
-        /// As for the real-rank entry, with `gridDim.y == N` and every
-        /// block co-resident.
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $vname(a: LaunchArgs) {
-            // SAFETY: the launch contract is the caller's.
-            unsafe { allreduce_push::<$E, $N>(&a, block_idx_y()) }
-        }
-    )* };
-}
-
 push_entries! {
+    allreduce_push;
     allreduce_push_f32_w1, allreduce_push_f32_w1_virtual: F32, 1;
     allreduce_push_f32_w2, allreduce_push_f32_w2_virtual: F32, 2;
     allreduce_push_f32_w3, allreduce_push_f32_w3_virtual: F32, 3;

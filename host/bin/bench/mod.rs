@@ -135,6 +135,33 @@ pub fn run(args: &BenchArgs) -> ExitCode {
     }
 }
 
+/// The rows of `args` (real ranks with two or more `--gpus`, else virtual
+/// ranks), for `tune`: an error if a row was wrong or nothing could run.
+pub fn measure(args: &BenchArgs) -> Result<Vec<Row>, ExitCode> {
+    let sizes = sizes(
+        args.minbytes,
+        args.maxbytes,
+        args.stepfactor,
+        args.datatype.size(),
+    );
+    if sizes.is_empty() {
+        return Err(usage_error("no message size in the range"));
+    }
+    if let Err(e) = config(args, sizes[sizes.len() - 1]).validate() {
+        return Err(usage_error(&e));
+    }
+    let (rows, failures, _) = if args.gpus.len() >= 2 {
+        run_peer(args, &sizes)?
+    } else {
+        run_virtual(args, &sizes)?
+    };
+    if failures > 0 {
+        eprintln!("{failures} row(s) failed or gave wrong results: nothing tuned");
+        return Err(ExitCode::FAILURE);
+    }
+    Ok(rows)
+}
+
 /// How long a `--procs` benchmark may run before its ranks are killed.
 const PROCS_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1200);
 
@@ -351,7 +378,8 @@ pub(crate) const PUSH_LL_ROWS_MAX: usize = 1 << 20;
 
 /// Buffer capacity for the largest message, so no row is chunked and
 /// two-stage is never replaced by one-stage for lack of scratch; landing
-/// zones for push rows up to [`PUSH_ROWS_MAX`].
+/// zones for push rows up to [`PUSH_ROWS_MAX`] (push_ll: [`PUSH_LL_ROWS_MAX`];
+/// push_two_stage: every row).
 fn config(args: &BenchArgs, max_size: usize) -> Config {
     Config {
         max_bytes: max_size
@@ -363,6 +391,9 @@ fn config(args: &BenchArgs, max_size: usize) -> Config {
         push_ll_max_bytes: max_size
             .clamp(4096, PUSH_LL_ROWS_MAX)
             .next_multiple_of(4096),
+        // Every size: push_two_stage is a large-message algorithm (its zone
+        // takes about 2 x the message per rank).
+        push_two_stage_max_bytes: max_size.max(4096).next_multiple_of(4096),
         ..Config::default()
     }
 }

@@ -1,0 +1,391 @@
+//! `p2p-allreduce tune`: times every algorithm at every message size on
+//! this machine and writes the thresholds file that `Auto` reads
+//! (`p2p_allreduce::thresholds`).
+//!
+//! Real ranks (`--gpus`, two or more): for each world size w the first w
+//! GPUs listed form a `PeerGroup`. Without `--gpus` and with one GPU:
+//! virtual ranks on `--device` (Auto's same-device table). Each size's
+//! fastest algorithm (median of CUDA-graph replays, every row validated
+//! against the CPU reference) becomes a band.
+
+use crate::bench::{self, BenchArgs, Row};
+use crate::{open_gpu, parse_dtype_arg, parse_size, parse_world_arg, NOTHING_RAN};
+use p2p_allreduce::abi::Dtype;
+use p2p_allreduce::thresholds::{self, FileBand, ThresholdsFile, TunedTable};
+use p2p_allreduce::{driver, topology, AlgoChoice, Link};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TuneArgs {
+    /// Real ranks on these GPUs, e.g. `0,1`; world w uses the first w.
+    /// Without it (one GPU): virtual ranks on `--device`.
+    #[arg(long, value_delimiter = ',')]
+    pub gpus: Vec<usize>,
+    /// World sizes to tune [default: 2..=number of --gpus; virtual: 2,4,8].
+    #[arg(long, value_delimiter = ',', value_parser = parse_world_arg)]
+    pub world: Vec<usize>,
+    /// GPU for virtual ranks.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Smallest message in bytes.
+    #[arg(short = 'b', long = "minbytes", default_value = "4K", value_parser = parse_size)]
+    pub minbytes: usize,
+    /// Largest message in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = parse_size)]
+    pub maxbytes: usize,
+    /// Size factor from one measured size to the next.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    pub stepfactor: usize,
+    /// Element type of the measurement (bands are in bytes).
+    #[arg(short = 'd', long = "datatype", default_value = "bf16", value_parser = parse_dtype_arg)]
+    pub datatype: Dtype,
+    /// Timed graph replays per size and algorithm.
+    #[arg(short = 'n', long = "iters", default_value_t = 25)]
+    pub iters: usize,
+    /// File to write [default: $P2P_ALLREDUCE_THRESHOLDS, else
+    /// ~/.config/p2p-allreduce/thresholds.json]. Entries of other machines
+    /// or worlds in it are kept.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Print the tables, write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// The algorithms `tune` compares (`Auto` is what it configures).
+const CANDIDATES: [AlgoChoice; 5] = [
+    AlgoChoice::OneStage,
+    AlgoChoice::TwoStage,
+    AlgoChoice::Push,
+    AlgoChoice::PushLl,
+    AlgoChoice::PushTwoStage,
+];
+
+fn usage(msg: &str) -> ExitCode {
+    eprintln!("tune: {msg}");
+    ExitCode::from(NOTHING_RAN)
+}
+
+pub fn run(args: &TuneArgs) -> ExitCode {
+    let real = args.gpus.len() >= 2;
+    if args.gpus.len() == 1 {
+        return usage("--gpus needs two or more GPUs (or leave it out for virtual ranks)");
+    }
+    let worlds: Vec<usize> = if !args.world.is_empty() {
+        args.world.clone()
+    } else if real {
+        (2..=args.gpus.len()).collect()
+    } else {
+        vec![2, 4, 8]
+    };
+    if let Some(w) = worlds
+        .iter()
+        .find(|&&w| w < 2 || (real && w > args.gpus.len()))
+    {
+        return usage(&format!(
+            "world {w}: use 2..={} (one rank per listed GPU)",
+            if real { args.gpus.len() } else { 8 }
+        ));
+    }
+    let Some((default_path, _)) = thresholds::file_path() else {
+        if args.out.is_none() && !args.dry_run {
+            return usage(
+                "no file to write: P2P_ALLREDUCE_THRESHOLDS is `none` and no --out was given",
+            );
+        }
+        return tune_all(args, &worlds, real, args.out.clone().unwrap_or_default());
+    };
+    tune_all(
+        args,
+        &worlds,
+        real,
+        args.out.clone().unwrap_or(default_path),
+    )
+}
+
+fn tune_all(args: &TuneArgs, worlds: &[usize], real: bool, path: PathBuf) -> ExitCode {
+    let first = if real { args.gpus[0] } else { args.device };
+    let ctx = match open_gpu("tune", first) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let gpu = match driver::device_info(&ctx) {
+        Ok(i) => i.name,
+        Err(e) => return usage(&e.to_string()),
+    };
+    let (count, links) = match link_matrix() {
+        Ok(m) => m,
+        Err(e) => return usage(&e.to_string()),
+    };
+    let mut file = if args.dry_run {
+        ThresholdsFile::default()
+    } else {
+        match thresholds::read_file(&path, false) {
+            Ok(f) => f.unwrap_or_default(),
+            Err(e) => {
+                return usage(&format!(
+                    "{}: {e} (move it away, or pass --out for another file)",
+                    path.display()
+                ))
+            }
+        }
+    };
+    file.format = thresholds::FORMAT.into();
+    for &world in worlds {
+        let gpus: Vec<usize> = if real {
+            args.gpus[..world].to_vec()
+        } else {
+            Vec::new()
+        };
+        let link = if real {
+            match group_link(&gpus) {
+                Ok(l) => l,
+                Err(e) => return usage(&e),
+            }
+        } else {
+            Link::SameDevice
+        };
+        let bench_args = BenchArgs {
+            minbytes: args.minbytes,
+            maxbytes: args.maxbytes,
+            stepfactor: args.stepfactor,
+            datatype: args.datatype,
+            iters: args.iters,
+            world: vec![world],
+            algo: CANDIDATES.to_vec(),
+            device: args.device,
+            gpus,
+            no_nccl: true,
+            ..BenchArgs::default()
+        };
+        println!(
+            "== tune: world {world} over {} ==",
+            thresholds::link_label(link)
+        );
+        let rows = match bench::measure(&bench_args) {
+            Ok(r) => r,
+            Err(code) => return code,
+        };
+        let bands = match bands_from(&rows) {
+            Some(b) => b,
+            None => return usage("no row was measured"),
+        };
+        let table = TunedTable {
+            gpu: gpu.clone(),
+            gpus: count,
+            links: links.clone(),
+            link: thresholds::link_label(link).into(),
+            world,
+            dtype: args.datatype.name().into(),
+            measured: format!(
+                "{} by p2p-allreduce {} tune -b {} -e {} -f {} -d {} -n {}{}",
+                today(),
+                env!("CARGO_PKG_VERSION"),
+                args.minbytes,
+                args.maxbytes,
+                args.stepfactor,
+                args.datatype.name(),
+                args.iters,
+                if real {
+                    format!(" --gpus {:?}", &args.gpus[..world])
+                } else {
+                    " (virtual ranks)".into()
+                }
+            ),
+            bands,
+        };
+        print_table(&table);
+        file.upsert(table);
+    }
+    if args.dry_run {
+        println!("(--dry-run: nothing written)");
+        return ExitCode::SUCCESS;
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            return usage(&format!("cannot create {}: {e}", dir.display()));
+        }
+    }
+    match std::fs::write(&path, file.to_json() + "\n") {
+        Ok(()) => {
+            println!(
+                "wrote {} ({} table(s)); groups created from now on use it (`p2p-allreduce info` shows the table in use)",
+                path.display(),
+                file.tables.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => usage(&format!("cannot write {}: {e}", path.display())),
+    }
+}
+
+/// The fastest algorithm at each measured size, merged into bands: a band
+/// ends at the last size its algorithm won, the last band has no end.
+pub fn bands_from(rows: &[Row]) -> Option<Vec<FileBand>> {
+    let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut winners: Vec<(usize, &'static str)> = Vec::new();
+    for s in sizes {
+        let best = rows
+            .iter()
+            .filter(|r| r.size == s && r.time_us.is_finite())
+            .min_by(|a, b| a.time_us.total_cmp(&b.time_us))?;
+        winners.push((s, best.algorithm));
+    }
+    let mut bands: Vec<FileBand> = Vec::new();
+    for (i, &(size, algo)) in winners.iter().enumerate() {
+        let next_differs = winners.get(i + 1).is_none_or(|n| n.1 != algo);
+        if next_differs {
+            bands.push(FileBand {
+                up_to: Some(size as u64),
+                algorithm: algo.into(),
+            });
+        }
+    }
+    if let Some(last) = bands.last_mut() {
+        last.up_to = None;
+    }
+    (!bands.is_empty()).then_some(bands)
+}
+
+fn print_table(t: &TunedTable) {
+    println!("Auto for {} ranks of {} over {}:", t.world, t.gpu, t.link);
+    for b in &t.bands {
+        let up_to = b.up_to.map_or("and above".to_string(), |u| {
+            format!("up to {}", crate::fmt_bytes(u))
+        });
+        println!("  {:<16} {up_to}", b.algorithm);
+    }
+}
+
+/// The slowest link between the listed GPUs, or why there is none.
+fn group_link(gpus: &[usize]) -> Result<Link, String> {
+    let ctxs = gpus
+        .iter()
+        .map(|&g| driver::open_device(g).map_err(|e| format!("GPU {g}: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut link = Link::SameDevice;
+    for a in &ctxs {
+        for b in &ctxs {
+            match topology::link_between(a, b) {
+                Ok(Some(l)) => link = topology::slowest(link, l),
+                Ok(None) => {
+                    return Err(format!(
+                        "GPUs {} and {} have no peer access",
+                        a.ordinal(),
+                        b.ordinal()
+                    ))
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+    Ok(link)
+}
+
+/// Every GPU of the machine and the link from each to each (the key of a
+/// table, as `info` prints it).
+fn link_matrix() -> p2p_allreduce::Result<(usize, Vec<Vec<String>>)> {
+    let n = driver::device_count()?;
+    let ctxs = (0..n)
+        .map(driver::open_device)
+        .collect::<p2p_allreduce::Result<Vec<_>>>()?;
+    let mut m = Vec::with_capacity(n);
+    for a in &ctxs {
+        let mut row = Vec::with_capacity(n);
+        for b in &ctxs {
+            row.push(topology::link_name(topology::link_between(a, b)?).to_string());
+        }
+        m.push(row);
+    }
+    Ok((n, m))
+}
+
+/// Today's date (UTC), e.g. 2026-11-29.
+fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use p2p_allreduce::abi::Algorithm;
+
+    fn row(size: usize, algorithm: &'static str, time_us: f64) -> Row {
+        Row {
+            size,
+            count: size / 2,
+            dtype: "bf16",
+            world: 2,
+            requested: algorithm,
+            algorithm,
+            time_us,
+            min_us: time_us,
+            max_us: time_us,
+            algbw_gbps: 0.0,
+            busbw_gbps: 0.0,
+            wrong: Some(0),
+        }
+    }
+
+    #[test]
+    fn bands_follow_the_fastest_algorithm() {
+        let rows = vec![
+            row(4096, "push_ll", 2.0),
+            row(4096, "one_stage", 3.0),
+            row(8192, "push_ll", 2.5),
+            row(8192, "one_stage", 3.0),
+            row(16384, "push_ll", 4.0),
+            row(16384, "one_stage", 3.5),
+            row(32768, "two_stage", 5.0),
+            row(32768, "one_stage", 6.0),
+        ];
+        let b = bands_from(&rows).expect("bands");
+        let got: Vec<(Option<u64>, &str)> =
+            b.iter().map(|b| (b.up_to, b.algorithm.as_str())).collect();
+        assert_eq!(
+            got,
+            vec![
+                (Some(8192), "push_ll"),
+                (Some(16384), "one_stage"),
+                (None, "two_stage")
+            ]
+        );
+        // The bands are a valid table.
+        let t = TunedTable {
+            gpu: "x".into(),
+            gpus: 2,
+            links: vec![],
+            link: "NVLink".into(),
+            world: 2,
+            dtype: "bf16".into(),
+            measured: "test".into(),
+            bands: b,
+        };
+        let bands = t.bands().expect("valid");
+        assert_eq!(bands[0].algorithm, Algorithm::PushLl);
+        assert!(bands_from(&[]).is_none());
+    }
+
+    #[test]
+    fn today_is_a_date() {
+        let d = today();
+        assert_eq!(d.len(), 10, "{d}");
+        assert!(d.starts_with("20"), "{d}");
+    }
+}
