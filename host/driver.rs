@@ -22,7 +22,7 @@ mod mailbox;
 
 pub use ipc::{address_range, ipc_export, IpcMapping, IPC_HANDLE_BYTES};
 pub use kernels::Kernels;
-pub use mailbox::HostMailbox;
+pub use mailbox::{HostMailbox, HostMapped};
 
 /// Whether libcuda can be loaded. cudarc panics on first use without it, so
 /// every entry point asks this first.

@@ -208,6 +208,7 @@ pub(crate) fn rendezvous(
             table.inputs[p] = own.staging.ptr();
             table.scratch[p] = own.scratch.ptr();
             signals[p] = own.signal.ptr();
+            table.signals[p] = signals[p];
             continue;
         }
         if rec.pid == mine.pid {
@@ -225,6 +226,7 @@ pub(crate) fn rendezvous(
         table.inputs[p] = s.ptr();
         table.scratch[p] = c.ptr();
         signals[p] = g.ptr();
+        table.signals[p] = signals[p];
         opened.extend([s, c, g]);
     }
     Ok(Rendezvous {

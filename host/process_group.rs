@@ -414,7 +414,7 @@ impl ProcessGroup {
         for (i, p) in pending.iter().enumerate() {
             let mut t = RankTable {
                 inputs: [0; MAX_RANKS],
-                scratch: self.host_table.scratch,
+                ..self.host_table
             };
             for (r, b) in all.iter().enumerate() {
                 if r == self.rank {

@@ -39,12 +39,14 @@ impl std::fmt::Debug for VirtualGroup {
     }
 }
 
-/// The pointer table of `inputs` (one per rank) and the ranks' scratch.
+/// The pointer table of `inputs` (one per rank) and the ranks' scratch
+/// and signals.
 pub(crate) fn table_of(inputs: impl Fn(usize) -> u64, own: &[(usize, RankBuffers)]) -> RankTable {
     let mut t = RankTable::default();
     for (r, b) in own {
         t.inputs[*r] = inputs(*r);
         t.scratch[*r] = b.scratch.ptr();
+        t.signals[*r] = b.signal.ptr();
     }
     t
 }

@@ -173,7 +173,10 @@ impl PushTwoStagePart {
 }
 
 /// Buffer pointers as seen from one rank's address space: every rank's input
-/// (staging or registered buffer) and scratch. Lives in device memory;
+/// (staging or registered buffer), scratch and signal. (The signals also
+/// travel in [`LaunchArgs`]; this copy is for a peer chosen at run time,
+/// which the kernel parameter cannot serve without going through local
+/// memory.) Lives in device memory;
 /// kernels get a pointer to it, so a table filled after a CUDA-graph capture
 /// (buffers whose peer mappings are exchanged later) is picked up on replay.
 /// With virtual ranks all ranks share one table.
@@ -182,6 +185,7 @@ impl PushTwoStagePart {
 pub struct RankTable {
     pub inputs: [u64; MAX_RANKS],
     pub scratch: [u64; MAX_RANKS],
+    pub signals: [u64; MAX_RANKS],
 }
 
 /// The one by-value kernel parameter of every allreduce entry point.
@@ -231,7 +235,7 @@ const _: () = {
     assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0));
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
-    assert!(size_of::<RankTable>() == 128);
+    assert!(size_of::<RankTable>() == 192);
     assert!(size_of::<LaunchArgs>() == 184);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);

@@ -380,13 +380,49 @@ unsafe fn reduce_range<E: Element, const N: usize, const KEEP: bool>(
 
 /// Copies packs `first + g`, `first + g + stride`, ... below `end`, four
 /// per iteration: a copy has no arithmetic to hide latency behind, so it
-/// needs more loads in flight than the reductions.
+/// needs more loads in flight than the reductions. Stores are evict-first
+/// (final results).
 ///
 /// # Safety
 /// `src` must be valid for reads and `dst` for writes of packs
 /// `first .. end`, both 16-byte aligned global addresses.
 #[inline(always)]
 unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: u64, stride: u64) {
+    // SAFETY: forwarded caller contract.
+    unsafe { copy_range_as::<false>(src, dst, first, end, g, stride) }
+}
+
+/// [`copy_range`] with plain stores, for data a peer reads next (landing
+/// zones).
+///
+/// # Safety
+/// As for [`copy_range`].
+#[inline(always)]
+unsafe fn copy_range_keep(
+    src: *const Pack,
+    dst: *mut Pack,
+    first: u64,
+    end: u64,
+    g: u64,
+    stride: u64,
+) {
+    // SAFETY: forwarded caller contract.
+    unsafe { copy_range_as::<true>(src, dst, first, end, g, stride) }
+}
+
+/// The loop of [`copy_range`], storing with [`store`]`::<KEEP>`.
+///
+/// # Safety
+/// As for [`copy_range`].
+#[inline(always)]
+unsafe fn copy_range_as<const KEEP: bool>(
+    src: *const Pack,
+    dst: *mut Pack,
+    first: u64,
+    end: u64,
+    g: u64,
+    stride: u64,
+) {
     let mut i = first + g;
     while i + 3 * stride < end {
         // SAFETY: first <= i < i + 3 * stride < end: all four packs are in
@@ -396,17 +432,17 @@ unsafe fn copy_range(src: *const Pack, dst: *mut Pack, first: u64, end: u64, g: 
             let b = ld_pack(src.add((i + stride) as usize));
             let c = ld_pack(src.add((i + 2 * stride) as usize));
             let d = ld_pack(src.add((i + 3 * stride) as usize));
-            st_pack_streaming(dst.add(i as usize), a);
-            st_pack_streaming(dst.add((i + stride) as usize), b);
-            st_pack_streaming(dst.add((i + 2 * stride) as usize), c);
-            st_pack_streaming(dst.add((i + 3 * stride) as usize), d);
+            store::<KEEP>(dst.add(i as usize), a);
+            store::<KEEP>(dst.add((i + stride) as usize), b);
+            store::<KEEP>(dst.add((i + 2 * stride) as usize), c);
+            store::<KEEP>(dst.add((i + 3 * stride) as usize), d);
         }
         i += 4 * stride;
     }
     while i < end {
         // SAFETY: first <= i < end: pack i is in `src` and `dst` (caller
         // contract).
-        unsafe { st_pack_streaming(dst.add(i as usize), ld_pack(src.add(i as usize))) };
+        unsafe { store::<KEEP>(dst.add(i as usize), ld_pack(src.add(i as usize))) };
         i += stride;
     }
 }

@@ -148,7 +148,65 @@ fn print_gpus() {
     } else if n == 1 {
         println!("peer access: one GPU (virtual ranks only; `check --gpus 0,0` runs real-rank kernels on it)");
     }
+    print_pci_places(&opened);
     print_auto_tables(&opened);
+}
+
+/// Each GPU's place in the PCIe tree (sysfs) and the islands they form.
+fn print_pci_places(ctxs: &[Arc<cudarc::driver::CudaContext>]) {
+    println!();
+    println!("PCIe placement (sysfs):");
+    let mut places = Vec::new();
+    for c in ctxs {
+        let id = match driver::pci_bus_id(c) {
+            Ok(id) => id,
+            Err(e) => {
+                println!("  GPU{}: no bus id: {e}", c.ordinal());
+                return;
+            }
+        };
+        match topology::pci_place(&id) {
+            Some(p) => {
+                println!(
+                    "  GPU{}: {}, NUMA {}, {} via {}",
+                    c.ordinal(),
+                    p.bus_id,
+                    p.numa.map_or("?".into(), |n| n.to_string()),
+                    p.root,
+                    if p.bridges.is_empty() {
+                        "-".to_string()
+                    } else {
+                        p.bridges.join(" > ")
+                    }
+                );
+                places.push(p);
+            }
+            None => {
+                println!(
+                    "  GPU{}: {id} not found under /sys/bus/pci/devices (a container without sysfs?)",
+                    c.ordinal()
+                );
+                return;
+            }
+        }
+    }
+    if places.len() >= 2 {
+        let islands = topology::islands(&places);
+        let named: Vec<String> = islands
+            .iter()
+            .map(|isl| {
+                let gpus: Vec<String> = isl
+                    .iter()
+                    .map(|&i| format!("GPU{}", ctxs[i].ordinal()))
+                    .collect();
+                format!("[{}]", gpus.join(" "))
+            })
+            .collect();
+        println!(
+            "  islands (one PCIe switch, else one root complex): {}",
+            named.join(" ")
+        );
+    }
 }
 
 /// Which table `Auto` uses on this machine: the thresholds file (and

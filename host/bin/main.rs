@@ -7,6 +7,8 @@
 //!   `all_reduce_perf`.
 //! - `tune`: measures every algorithm on this machine and writes the
 //!   thresholds file `Auto` reads.
+//! - `hostlink`: GPU reads vs writes of pinned host memory over the GPU's
+//!   own PCIe link.
 //!
 //! Without a subcommand: `info`, then (when a GPU is present) a quick check
 //! and a short benchmark.
@@ -16,6 +18,7 @@
 
 mod bench;
 mod check;
+mod hostlink;
 mod info;
 mod plot;
 mod procs;
@@ -60,6 +63,9 @@ enum Command {
     /// that Auto loads (P2P_ALLREDUCE_THRESHOLDS, else
     /// ~/.config/p2p-allreduce/thresholds.json).
     Tune(tune::TuneArgs),
+    /// GPU reads vs writes of mapped pinned host memory (the GPU's own
+    /// PCIe link): bandwidth by size and one-pack latency.
+    Hostlink(hostlink::HostlinkArgs),
 }
 
 fn main() -> ExitCode {
@@ -76,6 +82,7 @@ fn main() -> ExitCode {
         Some(Command::Check(a)) => check::run(&a),
         Some(Command::Bench(a)) => bench::run(&a),
         Some(Command::Tune(a)) => tune::run(&a),
+        Some(Command::Hostlink(a)) => hostlink::run(&a),
         None => default_run(),
     }
 }

@@ -220,19 +220,28 @@ fn tune_all(args: &TuneArgs, worlds: &[usize], real: bool, path: PathBuf) -> Exi
     }
 }
 
-/// The fastest algorithm at each measured size, merged into bands: a band
-/// ends at the last size its algorithm won, the last band has no end.
+/// Within this fraction of the fastest time, the algorithm of the
+/// previous size keeps the size: timing noise (about 1% between runs)
+/// must not split a band (one-stage and two-stage differ by less than that
+/// at 64 MiB on 2 x H200).
+pub const KEEP_WITHIN: f64 = 0.02;
+
+/// The fastest algorithm at each measured size (the previous size's
+/// algorithm where it is within [`KEEP_WITHIN`] of the fastest), merged
+/// into bands: a band ends at the last size its algorithm won, the last
+/// band has no end.
 pub fn bands_from(rows: &[Row]) -> Option<Vec<FileBand>> {
     let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
     sizes.sort_unstable();
     sizes.dedup();
     let mut winners: Vec<(usize, &'static str)> = Vec::new();
     for s in sizes {
-        let best = rows
-            .iter()
-            .filter(|r| r.size == s && r.time_us.is_finite())
-            .min_by(|a, b| a.time_us.total_cmp(&b.time_us))?;
-        winners.push((s, best.algorithm));
+        let at = || rows.iter().filter(|r| r.size == s && r.time_us.is_finite());
+        let best = at().min_by(|a, b| a.time_us.total_cmp(&b.time_us))?;
+        let kept = winners.last().and_then(|&(_, prev)| {
+            at().find(|r| r.algorithm == prev && r.time_us <= best.time_us * (1.0 + KEEP_WITHIN))
+        });
+        winners.push((s, kept.unwrap_or(best).algorithm));
     }
     let mut bands: Vec<FileBand> = Vec::new();
     for (i, &(size, algo)) in winners.iter().enumerate() {
@@ -354,6 +363,9 @@ mod tests {
             row(16384, "one_stage", 3.5),
             row(32768, "two_stage", 5.0),
             row(32768, "one_stage", 6.0),
+            // Within 2% of two-stage: no new band for noise.
+            row(65536, "one_stage", 9.9),
+            row(65536, "two_stage", 10.0),
         ];
         let b = bands_from(&rows).expect("bands");
         let got: Vec<(Option<u64>, &str)> =

@@ -69,3 +69,64 @@ impl Drop for HostMailbox {
         record_drop_error(&self.ctx, r);
     }
 }
+
+/// Pinned host memory mapped into the device's address space, `bytes`
+/// long: what kernels read and write across the GPU's host link
+/// (`p2p-allreduce hostlink`).
+pub struct HostMapped {
+    ctx: Arc<CudaContext>,
+    host: *mut u8,
+    device: u64,
+    bytes: usize,
+}
+
+// SAFETY: the pointer is to pinned host memory owned by this value, which
+// the host never dereferences (only the device reads and writes it).
+unsafe impl Send for HostMapped {}
+// SAFETY: as above.
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: a plain allocation with the documented flags.
+        let host = unsafe {
+            result::malloc_host(
+                bytes.max(1),
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .during("cuMemHostAlloc (mapped)")? as *mut u8;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was just allocated as device-mapped pinned memory;
+        // the out-pointer is valid.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) };
+        let m = HostMapped {
+            ctx: ctx.clone(),
+            host,
+            device,
+            bytes,
+        };
+        r.result().during("cuMemHostGetDevicePointer")?;
+        // SAFETY: `host` is `bytes` of live pinned memory owned by `m`.
+        unsafe { std::ptr::write_bytes(m.host, 0x3c, bytes) };
+        Ok(m)
+    }
+    /// The address kernels use.
+    pub fn device_ptr(&self) -> u64 {
+        self.device
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        let r = self.ctx.bind_to_thread().and_then(|()| {
+            // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
+            unsafe { result::free_host(self.host.cast()) }
+        });
+        record_drop_error(&self.ctx, r);
+    }
+}

@@ -51,41 +51,34 @@ unsafe fn allreduce_push_two_stage<E: Element, const N: usize>(a: &LaunchArgs, r
     // Bytes from a zone's start to source `src`'s part. One slot serves
     // every collective (see `barrier::barriers`).
     let part = |src: u64| src * a.landing_part;
-    // This rank's part in rank p's zone, and partition p, computed where
-    // used. Every loop over peers is innermost, with constant bounds, so it
-    // unrolls, p is a constant and the signal pointer is read from the
-    // kernel parameter. (An outer loop over peers, or a rotated order
-    // p = rank + k mod N, made p a run-time value: the pointers then went
-    // through local memory, with the whole kernel parameter.)
-    let mine = |p: usize| pick::<N>(&a.signals, p as u32) + a.landing_offset + part(rank as u64);
+    // This rank's part in rank p's zone. The staged loops below choose the
+    // peer p at run time: its signal comes from the pointer table in
+    // global memory (a run-time index into the kernel parameter, or into
+    // an array of pointers, puts them in local memory).
+    // SAFETY: `a.table` points to the group's RankTable (contract).
+    let table = unsafe { &*(a.table as *const RankTable) };
+    let mine = |p: usize| {
+        // SAFETY: p < N <= MAX_RANKS; the table lives for the launch.
+        let sig = unsafe { read_volatile(&table.signals[p]) };
+        sig + a.landing_offset + part(rank as u64)
+    };
     let bounds = |p: usize| partition(s.packs, N as u32, p as u32);
-    // The longest partition: the loops over all partitions run j over
-    // 0 .. longest, pack j of each partition counted from its start.
-    let longest = s.packs.div_ceil(N as u64);
     let own_in_p = own_in as *const Pack;
 
-    // Stage 1: pack j of each peer p's partition of this input into p's
-    // zone (N - 1 independent loads in flight per iteration).
-    let mut j = g;
-    while j < longest {
-        let mut p = 0;
-        while p < N {
-            let (ps, pe) = bounds(p);
-            if p as u32 != rank && ps + j < pe {
-                // SAFETY: ps + j < pe <= s.packs: inside the input;
-                // j < longest <= layout.half: inside p's scatter region
-                // (contract).
-                unsafe {
-                    let v = ld_pack(own_in_p.add((ps + j) as usize));
-                    st_pack(
-                        ((mine(p) + layout.scatter()) as *mut Pack).add(j as usize),
-                        v,
-                    );
-                }
-            }
-            p += 1;
-        }
-        j += stride;
+    // Stage 1, the staged schedule: in step k = 1 .. N - 1 every rank
+    // writes peer rank + k's partition (mod N) into that peer's zone, so
+    // each step is a permutation: every rank sends to one peer and
+    // receives from one (all-to-all writes at once congest a PCIe
+    // switch).
+    let mut k = 1;
+    while k < N {
+        let p = (rank as usize + k) % N;
+        let (ps, pe) = bounds(p);
+        let dst = (mine(p) + layout.scatter()) as *mut Pack;
+        // SAFETY: packs ps .. pe of the input (pe <= s.packs) and
+        // 0 .. pe - ps <= layout.half of p's scatter region (contract).
+        unsafe { copy_range_keep(own_in_p.add(ps as usize), dst, 0, pe - ps, g, stride) };
+        k += 1;
     }
     let mut t = g;
     while t < s.tail {
@@ -144,27 +137,21 @@ unsafe fn allreduce_push_two_stage<E: Element, const N: usize>(a: &LaunchArgs, r
     }
     // SAFETY: rs <= s.packs: at most one past the output's packs.
     let out_r = unsafe { (output as *mut Pack).add(rs as usize) };
-    let mut j = g;
-    while rs + j < re {
-        // SAFETY: j < re - rs <= layout.half: inside this input's partition,
-        // every peer's scatter region (filled before their published
-        // arrival), the output from `rs` and every peer's gather region
-        // (contract).
-        unsafe {
-            let v = reduce_at::<E, N>(&inputs, j);
-            st_pack_streaming(out_r.add(j as usize), v);
-            let mut p = 0;
-            while p < N {
-                if p as u32 != rank {
-                    st_pack(
-                        ((mine(p) + layout.gather()) as *mut Pack).add(j as usize),
-                        v,
-                    );
-                }
-                p += 1;
-            }
-        }
-        j += stride;
+    // SAFETY: packs 0 .. re - rs <= layout.half of this input's partition,
+    // of every peer's scatter region (filled before their published
+    // arrival) and of the output from `rs` (contract).
+    unsafe {
+        reduce_range::<E, N, true>(&inputs, out_r, core::ptr::null_mut(), 0, re - rs, g, stride)
+    };
+    // Then, staged as in stage 1, into every peer's zone, read back from
+    // the output (each thread reads the packs it wrote).
+    let mut k = 1;
+    while k < N {
+        let dst = (mine((rank as usize + k) % N) + layout.gather()) as *mut Pack;
+        // SAFETY: packs 0 .. re - rs of the output from `rs` and of the
+        // peer's gather region (re - rs <= layout.half, contract).
+        unsafe { copy_range_keep(out_r, dst, 0, re - rs, g, stride) };
+        k += 1;
     }
     // The tail: every rank reduces it from its own input and the peers'
     // tail packs. `reduce_tail` indexes from the message start, so each
@@ -201,26 +188,28 @@ unsafe fn allreduce_push_two_stage<E: Element, const N: usize>(a: &LaunchArgs, r
         return;
     }
 
-    // Stage 3: pack j of every peer's reduced partition from this rank's
-    // zone into the output.
-    let mut j = g;
-    while j < longest {
-        let mut p = 0;
-        while p < N {
+    // Stage 3: every peer's reduced partition from this rank's zone into
+    // the output (local reads; the order only spreads the work).
+    let mut p = 0;
+    while p < N {
+        if p as u32 != rank {
             let (ps, pe) = bounds(p);
-            if p as u32 != rank && ps + j < pe {
-                // SAFETY: j < pe - ps <= layout.half: inside peer p's
-                // gather region (filled before its published arrival) and,
-                // at ps + j < s.packs, the output.
-                unsafe {
-                    let src = (zone + part(p as u64) + layout.gather()) as *const Pack;
-                    let v = ld_pack(src.add(j as usize));
-                    st_pack_streaming((output as *mut Pack).add((ps + j) as usize), v);
-                }
-            }
-            p += 1;
+            let src = (zone + part(p as u64) + layout.gather()) as *const Pack;
+            // SAFETY: packs 0 .. pe - ps <= layout.half of peer p's gather
+            // region (filled before its published arrival) and of the
+            // output from `ps` (pe <= s.packs, contract).
+            unsafe {
+                copy_range(
+                    src,
+                    (output as *mut Pack).add(ps as usize),
+                    0,
+                    pe - ps,
+                    g,
+                    stride,
+                )
+            };
         }
-        j += stride;
+        p += 1;
     }
 }
 
