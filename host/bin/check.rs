@@ -28,7 +28,7 @@ pub struct CheckArgs {
     /// Element types [default: f32,f16,bf16].
     #[arg(long, value_delimiter = ',', value_parser = parse_dtype_arg)]
     pub dtype: Vec<Dtype>,
-    /// Algorithms [default: one_stage,two_stage,push,push_ll,auto].
+    /// Algorithms [default: one_stage,two_stage,push,push_ll,push_two_stage,auto].
     #[arg(long, value_delimiter = ',', value_parser = parse_algo_arg)]
     pub algo: Vec<AlgoChoice>,
     /// Print every case, not only failures.
