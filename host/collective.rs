@@ -110,7 +110,7 @@ fn read_error_record(rank: usize, signal: &DeviceAlloc) -> Result<()> {
 /// # Safety
 /// `src` must hold `offset + len` elements of `size` bytes and `staging` at
 /// least `len`, until the copy has run.
-unsafe fn stage(
+pub(crate) unsafe fn stage(
     staging: u64,
     src: u64,
     offset: usize,
@@ -158,7 +158,7 @@ impl Member {
         self.kernels.context()
     }
 
-    fn owns(&self, world: usize) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn owns(&self, world: usize) -> impl Iterator<Item = usize> + '_ {
         (0..world).filter(move |&r| match self.ranks {
             Ranks::All => true,
             Ranks::One(o) => o == r,

@@ -155,6 +155,16 @@ pub enum Error {
         capacity: usize,
     },
 
+    #[error("fused allreduce + RMSNorm: {0}")]
+    NormShape(String),
+
+    #[error(
+        "the fused allreduce + RMSNorm runs one_stage or two_stage, not {}: use AlgoChoice::Auto, OneStage or \
+         TwoStage",
+        .0.name()
+    )]
+    NormAlgorithm(crate::abi::Algorithm),
+
     #[error(
         "thresholds file {path}: {reason}. Fix or delete it, run `p2p-allreduce tune` again, or set \
          P2P_ALLREDUCE_THRESHOLDS=none to use the built-in table"

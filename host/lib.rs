@@ -46,7 +46,9 @@ pub mod driver;
 pub mod element;
 pub mod error;
 pub mod exchange;
+pub mod fused;
 pub mod ipc;
+mod json;
 mod launch;
 #[cfg(feature = "testkit")]
 pub mod measure;

@@ -8,6 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
+use crate::fused::{norm_shape, NormPtrs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -215,6 +216,84 @@ impl PeerGroup {
         // SAFETY: every pointer comes from a live slice or view of at least
         // `count` elements on its rank's device, guarded until enqueued.
         unsafe { self.allreduce_raw(streams, T::DTYPE, count, &i, &o, algo) }
+    }
+
+    /// Fused allreduce + residual add + RMSNorm on every rank (rank r's
+    /// buffers on its device, work on `streams[r]`); as
+    /// [`VirtualGroup::allreduce_add_rmsnorm`](crate::VirtualGroup::allreduce_add_rmsnorm):
+    /// `residual[r]` updated in place, `normed[r]` written, rows of
+    /// `gamma[r].len()` elements, bits of docs/numerics.md.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allreduce_add_rmsnorm<T, I, R, G, O>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        inputs: &[&I],
+        residual: &mut [R],
+        gamma: &[&G],
+        eps: f32,
+        normed: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        for (what, n) in [
+            ("streams", streams.len()),
+            ("inputs", inputs.len()),
+            ("residuals", residual.len()),
+            ("gammas", gamma.len()),
+            ("normed outputs", normed.len()),
+        ] {
+            check_count(what, n, self.world())?;
+        }
+        let (rows, hidden) = norm_shape(
+            T::DTYPE,
+            inputs.iter().map(|i| i.len()),
+            residual.iter().map(|r| r.len()),
+            gamma.iter().map(|g| g.len()),
+            normed.iter().map(|o| o.len()),
+            eps,
+        )?;
+        let ins: Vec<_> = inputs
+            .iter()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr(s))
+            .collect();
+        let res: Vec<_> = residual
+            .iter_mut()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr_mut(s))
+            .collect();
+        let gam: Vec<_> = gamma
+            .iter()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr(s))
+            .collect();
+        let outs: Vec<_> = normed
+            .iter_mut()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr_mut(s))
+            .collect();
+        let res_p = by_rank(res.iter().map(|p| p.0));
+        let ptrs = NormPtrs {
+            inputs: by_rank(ins.iter().map(|p| p.0)),
+            residual: res_p,
+            residual_out: res_p,
+            gamma: by_rank(gam.iter().map(|p| p.0)),
+            normed: by_rank(outs.iter().map(|p| p.0)),
+        };
+        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: every pointer comes from a live slice or view on its
+        // rank's device holding what `norm_shape` checked, guarded until
+        // the work is enqueued.
+        unsafe {
+            self.core
+                .add_rmsnorm_staged(&refs, T::DTYPE, rows, hidden, eps, &ptrs, algo)
+        }
     }
 
     /// In-place allreduce: every rank's buffer is both input and output.

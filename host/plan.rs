@@ -146,6 +146,7 @@ impl Plan {
                 offset,
                 len,
                 entry: Entry {
+                    op: crate::ptx::Op::Allreduce,
                     algorithm: self.algorithm,
                     dtype: r.dtype,
                     world: r.world,

@@ -6,13 +6,13 @@
 //! use p2p_allreduce::ptx::{self, Entry};
 //! use p2p_allreduce::{Algorithm, Dtype};
 //! let module = ptx::module_for((9, 0)).expect("built for sm_90");
-//! let entry = Entry { algorithm: Algorithm::OneStage, dtype: Dtype::Bf16, world: 4, virtual_ranks: false };
+//! let entry = Entry { op: ptx::Op::Allreduce, algorithm: Algorithm::OneStage, dtype: Dtype::Bf16, world: 4, virtual_ranks: false };
 //! assert!(module.ptx.contains(&format!(".entry {}", entry.name())));
 //! // Launch `entry.name()` from `module.ptx` with one `LaunchArgs` (184 bytes) by value.
 //! assert_eq!(ptx::PARAM_BYTES, 184);
 //! ```
 
-use crate::abi::{Algorithm, Dtype, LaunchArgs, MAX_RANKS};
+use crate::abi::{Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS};
 
 /// One embedded PTX module.
 #[derive(Clone, Copy, Debug)]
@@ -37,8 +37,32 @@ pub struct KernelStats {
 include!(concat!(env!("OUT_DIR"), "/ptx_modules.rs"));
 include!(concat!(env!("OUT_DIR"), "/kernel_resources.rs"));
 
-/// Size of the single by-value kernel parameter ([`LaunchArgs`]).
+/// Size of the single by-value kernel parameter of the allreduce entries
+/// ([`LaunchArgs`]).
 pub const PARAM_BYTES: usize = core::mem::size_of::<LaunchArgs>();
+/// Size of the single by-value parameter of the fused entries
+/// ([`NormArgs`]).
+pub const NORM_PARAM_BYTES: usize = core::mem::size_of::<NormArgs>();
+
+/// What an entry computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// The allreduce (`allreduce_*`, one [`LaunchArgs`]).
+    Allreduce,
+    /// The fused allreduce + residual add + RMSNorm
+    /// (`allreduce_rmsnorm_*`, one [`NormArgs`]; one-stage and two-stage).
+    AddRmsNorm,
+}
+
+impl Op {
+    /// The algorithms this operation has entries for.
+    pub fn algorithms(self) -> &'static [Algorithm] {
+        match self {
+            Op::Allreduce => &Algorithm::ALL,
+            Op::AddRmsNorm => &[Algorithm::OneStage, Algorithm::TwoStage],
+        }
+    }
+}
 
 /// The PTX to load on a device of compute capability `cc`: an exact match
 /// first, else the newest built architecture not newer than the device
@@ -69,6 +93,7 @@ pub fn kernel_stats(arch: &str, entry: &str) -> Option<&'static KernelStats> {
 /// One allreduce entry point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Entry {
+    pub op: Op,
     pub algorithm: Algorithm,
     pub dtype: Dtype,
     /// World size, 1..=8; a compile-time constant in the kernel.
@@ -78,11 +103,15 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// `allreduce_{one_stage|two_stage}_{f32|f16|bf16}_w{N}[_virtual]`, the
-    /// names in `device/src/kernels.rs`.
+    /// `allreduce_[rmsnorm_]{algorithm}_{f32|f16|bf16}_w{N}[_virtual]`, the
+    /// names in `device/src/kernels/`.
     pub fn name(&self) -> String {
         format!(
-            "allreduce_{}_{}_w{}{}",
+            "allreduce_{}{}_{}_w{}{}",
+            match self.op {
+                Op::Allreduce => "",
+                Op::AddRmsNorm => "rmsnorm_",
+            },
             self.algorithm.name(),
             self.dtype.name(),
             self.world,
@@ -90,19 +119,30 @@ impl Entry {
         )
     }
 
+    /// Bytes of the entry's one by-value parameter.
+    pub fn param_bytes(&self) -> usize {
+        match self.op {
+            Op::Allreduce => PARAM_BYTES,
+            Op::AddRmsNorm => NORM_PARAM_BYTES,
+        }
+    }
+
     /// Every entry the kernel crate defines.
     pub fn all() -> Vec<Entry> {
         let mut v = Vec::new();
-        for algorithm in Algorithm::ALL {
-            for dtype in Dtype::ALL {
-                for world in 1..=MAX_RANKS {
-                    for virtual_ranks in [false, true] {
-                        v.push(Entry {
-                            algorithm,
-                            dtype,
-                            world,
-                            virtual_ranks,
-                        });
+        for op in [Op::Allreduce, Op::AddRmsNorm] {
+            for &algorithm in op.algorithms() {
+                for dtype in Dtype::ALL {
+                    for world in 1..=MAX_RANKS {
+                        for virtual_ranks in [false, true] {
+                            v.push(Entry {
+                                op,
+                                algorithm,
+                                dtype,
+                                world,
+                                virtual_ranks,
+                            });
+                        }
                     }
                 }
             }

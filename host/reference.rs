@@ -214,6 +214,92 @@ pub fn allreduce_bits(dtype: Dtype, inputs: &[&[u32]]) -> Vec<u32> {
     }
 }
 
+/// Elements per chunk of the sum of squares (docs/numerics.md; the same
+/// number as the kernels' `abi::NORM_CHUNK`, written here on its own).
+pub const RMS_CHUNK: usize = 8;
+
+/// The fused allreduce + residual add + RMSNorm of one rank, as
+/// docs/numerics.md defines it: `(residual_out, normed)` for inputs of
+/// `rows x hidden` elements (`hidden = gamma.len()`), this rank's
+/// `residual` and `gamma`, and `eps`:
+///
+/// - `sum` = [`allreduce_bits`] (rank-order f32 sum, rounded to the type);
+/// - `residual_out = round(f32(sum) + f32(residual))`;
+/// - per row, `q_j = f32(residual_out_j)`; chunks of [`RMS_CHUNK`] columns,
+///   each `((q_0^2 + q_1^2) + ...)` in column order (squares and sums
+///   rounded to f32); then the chunk sums in a pairwise tree: at stride
+///   `s = 1, 2, 4, ...`, chunk `k` (a multiple of `2s`) adds chunk `k + s`
+///   when it exists; `ss` is chunk 0's;
+/// - `inv = 1 / sqrt(ss / hidden + eps)` (each operation correctly rounded
+///   in f32);
+/// - `normed_j = round((q_j * inv) * f32(gamma_j))`.
+///
+/// Panics as [`allreduce_bits`] does, or if the inputs are not whole rows.
+pub fn add_rmsnorm_bits(
+    dtype: Dtype,
+    inputs: &[&[u32]],
+    residual: &[u32],
+    gamma: &[u32],
+    eps: f32,
+) -> (Vec<u32>, Vec<u32>) {
+    let sum = allreduce_bits(dtype, inputs);
+    let hidden = gamma.len();
+    if hidden == 0 {
+        assert!(sum.is_empty(), "add_rmsnorm_bits: rows of hidden size 0");
+        return (Vec::new(), Vec::new());
+    }
+    assert_eq!(
+        sum.len() % hidden,
+        0,
+        "add_rmsnorm_bits: {} elements are not whole rows of {hidden}",
+        sum.len()
+    );
+    assert!(
+        residual.len() >= sum.len(),
+        "add_rmsnorm_bits: residual too short"
+    );
+    let mut res_out = Vec::with_capacity(sum.len());
+    let mut normed = Vec::with_capacity(sum.len());
+    for row in 0..sum.len() / hidden {
+        let base = row * hidden;
+        let q: Vec<f32> = (0..hidden)
+            .map(|j| {
+                let ro = narrow(
+                    dtype,
+                    widen(dtype, sum[base + j]) + widen(dtype, residual[base + j]),
+                );
+                res_out.push(ro);
+                widen(dtype, ro)
+            })
+            .collect();
+        let mut parts: Vec<f32> = q
+            .chunks(RMS_CHUNK)
+            .map(|c| {
+                let mut acc = c[0] * c[0];
+                for &v in &c[1..] {
+                    acc += v * v;
+                }
+                acc
+            })
+            .collect();
+        let n = parts.len();
+        let mut s = 1;
+        while s < n {
+            let mut k = 0;
+            while k + s < n {
+                parts[k] += parts[k + s];
+                k += 2 * s;
+            }
+            s *= 2;
+        }
+        let inv = 1.0f32 / (parts[0] / hidden as f32 + eps).sqrt();
+        for (j, &v) in q.iter().enumerate() {
+            normed.push(narrow(dtype, (v * inv) * widen(dtype, gamma[j])));
+        }
+    }
+    (res_out, normed)
+}
+
 /// The sum of one element's values in `f64`, for error reports and accuracy
 /// measurements. Compensated (Neumaier) summation in rank order, so it is
 /// exact whenever the true sum fits in about 100 significant bits, which

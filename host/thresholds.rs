@@ -16,7 +16,7 @@
 
 use crate::abi::{Algorithm, MAX_RANKS};
 use crate::config::Link;
-use serde::{Deserialize, Serialize};
+use crate::json::{self, Value};
 use std::path::{Path, PathBuf};
 
 /// The environment variable that names the thresholds file.
@@ -285,7 +285,7 @@ fn check_bands(bands: &[Band]) -> Result<(), String> {
 }
 
 /// A thresholds file: what `p2p-allreduce tune` writes.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct ThresholdsFile {
     /// [`FORMAT`].
     pub format: String,
@@ -294,7 +294,7 @@ pub struct ThresholdsFile {
 
 /// One measured table: the machine (GPU model, count, link matrix), the
 /// group it was measured with (link, world), and its bands.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TunedTable {
     /// The device name, as `cuDeviceGetName` gives it.
     pub gpu: String,
@@ -313,13 +313,108 @@ pub struct TunedTable {
 }
 
 /// A band in a file: `up_to` null means no limit.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct FileBand {
     pub up_to: Option<u64>,
     pub algorithm: String,
 }
 
 impl TunedTable {
+    fn from_json(v: &Value) -> Result<Self, String> {
+        let text = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .ok_or(format!("no {k:?} string"))
+        };
+        let num = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .map(|n| n as usize)
+                .ok_or(format!("no {k:?} count"))
+        };
+        let links = match v.get("links") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(l) => l
+                .as_array()
+                .ok_or("\"links\" is not an array")?
+                .iter()
+                .map(|row| {
+                    row.as_array()
+                        .ok_or("a \"links\" row is not an array")?
+                        .iter()
+                        .map(|c| {
+                            c.as_str()
+                                .map(str::to_string)
+                                .ok_or("a link is not a string")
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        };
+        let bands = v
+            .get("bands")
+            .and_then(Value::as_array)
+            .ok_or("no \"bands\" array")?
+            .iter()
+            .map(|b| {
+                let up_to = match b.get("up_to") {
+                    None | Some(Value::Null) => None,
+                    Some(n) => Some(n.as_u64().ok_or("\"up_to\" is not a byte count")?),
+                };
+                let algorithm = b
+                    .get("algorithm")
+                    .and_then(Value::as_str)
+                    .ok_or("a band has no \"algorithm\" string")?
+                    .to_string();
+                Ok(FileBand { up_to, algorithm })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(TunedTable {
+            gpu: text("gpu")?,
+            gpus: num("gpus")?,
+            links,
+            link: text("link")?,
+            world: num("world")?,
+            dtype: text("dtype")?,
+            measured: text("measured")?,
+            bands,
+        })
+    }
+
+    fn to_json(&self) -> String {
+        let links: Vec<String> = self
+            .links
+            .iter()
+            .map(|row| {
+                let cells: Vec<String> = row.iter().map(|c| json::quote(c)).collect();
+                format!("[{}]", cells.join(", "))
+            })
+            .collect();
+        let bands: Vec<String> = self
+            .bands
+            .iter()
+            .map(|b| {
+                format!(
+                    "      {{\"up_to\": {}, \"algorithm\": {}}}",
+                    b.up_to.map_or("null".to_string(), |u| u.to_string()),
+                    json::quote(&b.algorithm)
+                )
+            })
+            .collect();
+        format!(
+            "    {{\n      \"gpu\": {},\n      \"gpus\": {},\n      \"links\": [{}],\n      \"link\": {},\n      \"world\": {},\n      \"dtype\": {},\n      \"measured\": {},\n      \"bands\": [\n{}\n      ]\n    }}",
+            json::quote(&self.gpu),
+            self.gpus,
+            links.join(", "),
+            json::quote(&self.link),
+            self.world,
+            json::quote(&self.dtype),
+            json::quote(&self.measured),
+            bands.join(",\n")
+        )
+    }
+
     /// The table's bands, checked.
     pub fn bands(&self) -> Result<Vec<Band>, String> {
         let bands = self
@@ -352,23 +447,51 @@ impl TunedTable {
 
 impl ThresholdsFile {
     pub fn parse(text: &str) -> Result<Self, String> {
-        let f: ThresholdsFile = serde_json::from_str(text).map_err(|e| e.to_string())?;
-        if f.format != FORMAT {
+        let v = json::parse(text)?;
+        let format = v
+            .get("format")
+            .and_then(Value::as_str)
+            .ok_or("no \"format\" string")?;
+        if format != FORMAT {
             return Err(format!(
-                "format {:?}, this build reads {FORMAT:?}: run `p2p-allreduce tune` again",
-                f.format
+                "format {format:?}, this build reads {FORMAT:?}: run `p2p-allreduce tune` again"
             ));
         }
-        for t in &f.tables {
+        let tables = v
+            .get("tables")
+            .and_then(Value::as_array)
+            .ok_or("no \"tables\" array")?
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TunedTable::from_json(t).map_err(|e| format!("table {i}: {e}")))
+            .collect::<Result<Vec<_>, String>>()?;
+        for t in &tables {
             t.bands()?;
             if link_by_label(&t.link).is_none() {
                 return Err(format!("link {:?}: use same, NVLink or PCIe", t.link));
             }
         }
-        Ok(f)
+        Ok(ThresholdsFile {
+            format: format.to_string(),
+            tables,
+        })
     }
+    /// The file's text (what `parse` reads back).
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).unwrap_or_default()
+        let mut o = String::new();
+        o.push_str("{\n  \"format\": ");
+        o.push_str(&json::quote(&self.format));
+        o.push_str(",\n  \"tables\": [");
+        for (i, t) in self.tables.iter().enumerate() {
+            o.push_str(if i == 0 { "\n" } else { ",\n" });
+            o.push_str(&t.to_json());
+        }
+        o.push_str(if self.tables.is_empty() {
+            "]\n}"
+        } else {
+            "\n  ]\n}"
+        });
+        o
     }
     /// Adds `table`, replacing an entry of the same GPU, count, link and
     /// world.

@@ -8,6 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
+use crate::fused::{norm_shape, NormPtrs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -184,6 +185,129 @@ impl VirtualGroup {
         );
         // SAFETY: forwarded from the caller.
         unsafe { self.core.staged(&[stream], dtype, count, &i, &o, algo) }
+    }
+
+    /// Fused allreduce + residual add + RMSNorm for every rank r:
+    /// `residual[r] = round(sum + residual[r])` (in place), `normed[r] =
+    /// round(f32(residual[r]) * inv_rms(row) * gamma[r])`, rows of
+    /// `gamma[r].len()` elements, with the exact operation order of
+    /// docs/numerics.md (identical bits for one-stage and two-stage, any
+    /// rows, any grid). Inputs are staged, so `normed` may be another
+    /// rank's input; [`Self::allreduce_add_rmsnorm_in_place`] writes it over
+    /// the inputs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allreduce_add_rmsnorm<T, I, R, G, O>(
+        &self,
+        stream: &Arc<CudaStream>,
+        inputs: &[&I],
+        residual: &mut [R],
+        gamma: &[&G],
+        eps: f32,
+        normed: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        for (what, n) in [
+            ("inputs", inputs.len()),
+            ("residuals", residual.len()),
+            ("gammas", gamma.len()),
+            ("normed outputs", normed.len()),
+        ] {
+            check_count(what, n, self.world())?;
+        }
+        let (rows, hidden) = norm_shape(
+            T::DTYPE,
+            inputs.iter().map(|i| i.len()),
+            residual.iter().map(|r| r.len()),
+            gamma.iter().map(|g| g.len()),
+            normed.iter().map(|o| o.len()),
+            eps,
+        )?;
+        let ins: Vec<_> = inputs.iter().map(|s| s.device_ptr(stream)).collect();
+        let res: Vec<_> = residual
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let gam: Vec<_> = gamma.iter().map(|s| s.device_ptr(stream)).collect();
+        let outs: Vec<_> = normed
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let res_p = by_rank(res.iter().map(|p| p.0));
+        let ptrs = NormPtrs {
+            inputs: by_rank(ins.iter().map(|p| p.0)),
+            residual: res_p,
+            residual_out: res_p,
+            gamma: by_rank(gam.iter().map(|p| p.0)),
+            normed: by_rank(outs.iter().map(|p| p.0)),
+        };
+        // SAFETY: every pointer comes from a live slice or view holding
+        // what `norm_shape` checked, guarded until the work is enqueued.
+        unsafe {
+            self.core
+                .add_rmsnorm_staged(&[stream], T::DTYPE, rows, hidden, eps, &ptrs, algo)
+        }
+    }
+
+    /// [`Self::allreduce_add_rmsnorm`] with the normed rows written over
+    /// each rank's input `x[r]`.
+    pub fn allreduce_add_rmsnorm_in_place<T, X, R, G>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &mut [X],
+        residual: &mut [R],
+        gamma: &[&G],
+        eps: f32,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        X: DevicePtrMut<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+    {
+        for (what, n) in [
+            ("inputs", x.len()),
+            ("residuals", residual.len()),
+            ("gammas", gamma.len()),
+        ] {
+            check_count(what, n, self.world())?;
+        }
+        let (rows, hidden) = norm_shape(
+            T::DTYPE,
+            x.iter().map(|i| i.len()),
+            residual.iter().map(|r| r.len()),
+            gamma.iter().map(|g| g.len()),
+            std::iter::empty(),
+            eps,
+        )?;
+        let xs: Vec<_> = x.iter_mut().map(|s| s.device_ptr_mut(stream)).collect();
+        let res: Vec<_> = residual
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let gam: Vec<_> = gamma.iter().map(|s| s.device_ptr(stream)).collect();
+        let x_p = by_rank(xs.iter().map(|p| p.0));
+        let res_p = by_rank(res.iter().map(|p| p.0));
+        let ptrs = NormPtrs {
+            inputs: x_p,
+            residual: res_p,
+            residual_out: res_p,
+            gamma: by_rank(gam.iter().map(|p| p.0)),
+            normed: x_p,
+        };
+        // SAFETY: live buffers holding what `norm_shape` checked; inputs are
+        // staged, so writing the normed rows over them is allowed.
+        unsafe {
+            self.core
+                .add_rmsnorm_staged(&[stream], T::DTYPE, rows, hidden, eps, &ptrs, algo)
+        }
     }
 
     /// Allocates registered (zero-copy) input buffers of `len` elements per rank.

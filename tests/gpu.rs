@@ -42,6 +42,7 @@ fn main() {
         ("peer_group_graph_replays", peer_group_graphs),
         ("push_back_to_back_with_changing_grids", push_changing_grids),
         ("thresholds_file_moves_auto", thresholds_file),
+        ("fused_add_rmsnorm_bit_exact", fused_add_rmsnorm),
         ("ipc_process_group_every_gpu", ipc_processes),
         ("killed_rank_process_times_out_and_recovers", killed_rank),
         #[cfg(feature = "nccl")]
@@ -1981,4 +1982,242 @@ fn thresholds_file(g: &Gpu) {
     let r = VirtualGroup::new(&g.ctx, 3, Config::with_max_bytes(1 << 20)).expect("group");
     assert_eq!(r.config().thresholds.origin(), &Origin::BuiltIn);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------------------
+// Fused allreduce + residual add + RMSNorm: every rank's residual out and
+// normed rows against the CPU oracle, bit for bit.
+
+/// One fused case on any group kind: `rows x hidden`, this `world`, a
+/// residual and a gamma per rank (all different), eps 1e-6.
+struct NormCase {
+    dtype: Dtype,
+    world: usize,
+    rows: usize,
+    hidden: usize,
+    seed: u64,
+}
+
+impl NormCase {
+    /// (inputs, residuals, gammas, wanted (residual out, normed) per rank).
+    #[allow(clippy::type_complexity)]
+    fn data(
+        &self,
+    ) -> (
+        Vec<Vec<u32>>,
+        Vec<Vec<u32>>,
+        Vec<Vec<u32>>,
+        Vec<(Vec<u32>, Vec<u32>)>,
+    ) {
+        let count = self.rows * self.hidden;
+        let x = values::adversarial_inputs(self.dtype, self.world, count, self.seed, true);
+        let res = values::adversarial_inputs(self.dtype, self.world, count, self.seed + 1, false);
+        let gam =
+            values::adversarial_inputs(self.dtype, self.world, self.hidden, self.seed + 2, false);
+        let refs: Vec<&[u32]> = x.iter().map(|v| v.as_slice()).collect();
+        let want = (0..self.world)
+            .map(|r| reference::add_rmsnorm_bits(self.dtype, &refs, &res[r], &gam[r], NORM_EPS))
+            .collect();
+        (x, res, gam, want)
+    }
+}
+
+const NORM_EPS: f32 = 1e-6;
+
+fn check_norm_rank(
+    what: &str,
+    dtype: Dtype,
+    r: usize,
+    got: (&[u32], &[u32]),
+    want: &(Vec<u32>, Vec<u32>),
+) {
+    for (name, g, w) in [("residual out", got.0, &want.0), ("normed", got.1, &want.1)] {
+        if let Some((i, gb, wb)) = reference::first_mismatch(dtype, g, w) {
+            panic!(
+                "{what}: rank {r} {name} element {i}: got {}, want {}",
+                reference::fmt_bits(dtype, gb),
+                reference::fmt_bits(dtype, wb)
+            );
+        }
+    }
+}
+
+fn norm_virtual<T: Bits>(
+    g: &Gpu,
+    grp: &VirtualGroup,
+    c: &NormCase,
+    algo: AlgoChoice,
+    in_place: bool,
+) -> Algorithm {
+    let count = c.rows * c.hidden;
+    let (x, res, gam, want) = c.data();
+    let what = format!(
+        "virtual {:?} world {} rows {} hidden {} {algo:?}{}",
+        c.dtype,
+        c.world,
+        c.rows,
+        c.hidden,
+        if in_place { " in place" } else { "" }
+    );
+    let mut xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
+    let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
+    let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
+    let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+    let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
+    let gr: Vec<&_> = gv.iter().collect();
+    let used = {
+        let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        if in_place {
+            let mut xv: Vec<_> = xs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+            grp.allreduce_add_rmsnorm_in_place(&g.stream, &mut xv, &mut rv, &gr, NORM_EPS, algo)
+        } else {
+            let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
+            let xr: Vec<&_> = xv.iter().collect();
+            let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+            grp.allreduce_add_rmsnorm(&g.stream, &xr, &mut rv, &gr, NORM_EPS, &mut ov, algo)
+        }
+    }
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    grp.check(&g.stream)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    for r in 0..c.world {
+        let got_res = download(g, &rs[r], count);
+        let got_norm = download(g, if in_place { &xs[r] } else { &outs[r] }, count);
+        check_norm_rank(&what, c.dtype, r, (&got_res, &got_norm), &want[r]);
+    }
+    used
+}
+
+fn fused_add_rmsnorm(g: &Gpu) {
+    let mut cases = 0;
+    let mut rng = 0x5eed_u64;
+    for world in [1usize, 2, 3, 8] {
+        // Small buffers, so that larger calls run in row chunks.
+        let grp =
+            VirtualGroup::new(&g.ctx, world, Config::with_max_bytes(256 << 10)).expect("group");
+        for dtype in Dtype::ALL {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let random_hidden = 1 + (rng >> 33) as usize % 3000;
+            for hidden in [1usize, 7, 128, 4096, 5120, 7168, 8192, random_hidden] {
+                let row_counts: &[usize] = if hidden <= 128 {
+                    &[0, 1, 3, 300]
+                } else if world == 8 {
+                    &[1, 17]
+                } else {
+                    &[0, 1, 3, 64]
+                };
+                for &rows in row_counts {
+                    for algo in [AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto] {
+                        let c = NormCase {
+                            dtype,
+                            world,
+                            rows,
+                            hidden,
+                            seed: 1000 + cases as u64 * 7,
+                        };
+                        let in_place = cases % 5 == 0;
+                        let used = match dtype {
+                            Dtype::F32 => norm_virtual::<f32>(g, &grp, &c, algo, in_place),
+                            Dtype::F16 => norm_virtual::<half::f16>(g, &grp, &c, algo, in_place),
+                            Dtype::Bf16 => norm_virtual::<half::bf16>(g, &grp, &c, algo, in_place),
+                        };
+                        if let Some(a) = algo.explicit() {
+                            assert_eq!(used, a);
+                        }
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    // Typed refusals.
+    let grp = VirtualGroup::new(&g.ctx, 2, Config::with_max_bytes(1 << 20)).expect("group");
+    let x = upload::<f32>(g, &[0; 10]);
+    let mut rs = vec![upload::<f32>(g, &[0; 10]), upload::<f32>(g, &[0; 10])];
+    let gm = upload::<f32>(g, &[0; 4]);
+    let mut os = vec![poisoned::<f32>(g, 10), poisoned::<f32>(g, 10)];
+    for (hidden, eps, algo, what) in [
+        (4usize, NORM_EPS, AlgoChoice::Auto, "10 elements, hidden 4"),
+        (2, f32::NAN, AlgoChoice::Auto, "eps NaN"),
+        (2, -1.0, AlgoChoice::Auto, "eps < 0"),
+        (2, NORM_EPS, AlgoChoice::PushLl, "push_ll"),
+    ] {
+        let gv = gm.slice(0..hidden);
+        let r = grp.allreduce_add_rmsnorm(
+            &g.stream,
+            &[&x, &x],
+            &mut rs,
+            &[&gv, &gv],
+            eps,
+            &mut os,
+            algo,
+        );
+        let ok = match algo {
+            AlgoChoice::PushLl => matches!(r, Err(Error::NormAlgorithm(Algorithm::PushLl))),
+            _ => matches!(r, Err(Error::NormShape(_))),
+        };
+        assert!(ok, "{what}: {r:?}");
+    }
+    grp.check(&g.stream)
+        .expect("refusals leave the group healthy");
+
+    // Real ranks: a PeerGroup on every placement (across GPUs when there
+    // are two), bf16 hidden 7168, as in decoding.
+    let ctxs = all_gpus(g);
+    let mut peer_cases = 0;
+    for place in placements(ctxs.len()) {
+        let world = place.len();
+        let (pg, streams) = peer_setup(&ctxs, &place, Config::with_max_bytes(1 << 20));
+        for rows in [0usize, 1, 3, 64] {
+            for algo in [AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto] {
+                let c = NormCase {
+                    dtype: Dtype::Bf16,
+                    world,
+                    rows,
+                    hidden: 7168,
+                    seed: 9000 + peer_cases as u64 * 3,
+                };
+                let count = rows * 7168;
+                let (x, res, gam, want) = c.data();
+                let what = format!("PeerGroup GPUs {place:?} rows {rows} {algo:?}");
+                let xs: Vec<CudaSlice<half::bf16>> = x
+                    .iter()
+                    .zip(&streams)
+                    .map(|(b, s)| upload_on(s, b))
+                    .collect();
+                let mut rs: Vec<CudaSlice<half::bf16>> = res
+                    .iter()
+                    .zip(&streams)
+                    .map(|(b, s)| upload_on(s, b))
+                    .collect();
+                let gs: Vec<CudaSlice<half::bf16>> = gam
+                    .iter()
+                    .zip(&streams)
+                    .map(|(b, s)| upload_on(s, b))
+                    .collect();
+                let mut outs: Vec<CudaSlice<half::bf16>> =
+                    streams.iter().map(|s| poisoned_on(s, count)).collect();
+                {
+                    let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
+                    let xr: Vec<&_> = xv.iter().collect();
+                    let gv: Vec<_> = gs.iter().map(|s| s.slice(0..7168)).collect();
+                    let gr: Vec<&_> = gv.iter().collect();
+                    let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+                    let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+                    pg.allreduce_add_rmsnorm(&streams, &xr, &mut rv, &gr, NORM_EPS, &mut ov, algo)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                pg.check(&streams).unwrap_or_else(|e| panic!("{what}: {e}"));
+                for r in 0..world {
+                    let got_res = download_on(&streams[r], &rs[r], count);
+                    let got_norm = download_on(&streams[r], &outs[r], count);
+                    check_norm_rank(&what, Dtype::Bf16, r, (&got_res, &got_norm), &want[r]);
+                }
+                peer_cases += 1;
+            }
+        }
+    }
+    println!("  {cases} virtual-rank and {peer_cases} PeerGroup fused cases bit-exact (residual out and normed, every rank)");
 }

@@ -1,7 +1,7 @@
 //! Checks on every PTX file the build embedded (issue: the Rust-to-PTX
 //! pipeline). No GPU needed; ptxas is required (scripts/setup.sh installs it).
 
-use p2p_allreduce::ptx::{self, Entry, MODULES, PARAM_BYTES};
+use p2p_allreduce::ptx::{self, Entry, MODULES};
 use p2p_allreduce::ptxas;
 use std::path::Path;
 
@@ -33,7 +33,8 @@ fn target_matches_arch() {
 fn every_entry_is_present_with_one_launch_args_parameter() {
     for m in MODULES {
         let entries = Entry::all();
-        assert_eq!(entries.len(), 240);
+        // 240 allreduce entries (5 algorithms) and 96 fused ones (2).
+        assert_eq!(entries.len(), 336);
         for e in entries {
             let name = e.name();
             let decl = format!(".entry {name}(");
@@ -42,15 +43,16 @@ fn every_entry_is_present_with_one_launch_args_parameter() {
                 .find(&decl)
                 .unwrap_or_else(|| panic!("{}: entry {name} missing", m.arch));
             let head = &m.ptx[at..at + 200.min(m.ptx.len() - at)];
-            let param = format!(".param .align 8 .b8 {name}_param_0[{PARAM_BYTES}]");
+            let bytes = e.param_bytes();
+            let param = format!(".param .align 8 .b8 {name}_param_0[{bytes}]");
             assert!(
                 head.contains(&param),
-                "{}: {name} does not take one {PARAM_BYTES}-byte parameter:\n{head}",
+                "{}: {name} does not take one {bytes}-byte parameter:\n{head}",
                 m.arch
             );
         }
         let count = m.ptx.matches(".entry ").count();
-        assert_eq!(count, 240, "{}: unexpected extra entries", m.arch);
+        assert_eq!(count, 336, "{}: unexpected extra entries", m.arch);
     }
 }
 
@@ -108,7 +110,7 @@ fn ptxas_assembles_every_arch_without_spills() {
         let report = ptxas::assemble(&ptxas_bin, &file, m.arch).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             report.len(),
-            240,
+            336,
             "{}: ptxas reported {} entries",
             m.arch,
             report.len()

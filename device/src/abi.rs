@@ -252,6 +252,46 @@ const _: () = {
     assert!(l.half * 3 >= 1000);
 };
 
+/// Elements per chunk of the fused RMSNorm's sum of squares: the squares
+/// of a chunk's elements are added in column order, then the chunks'
+/// partial sums in a pairwise tree ([`crate::norm`]). A function of the
+/// row length only, never of dtype, grid, rows, world or algorithm.
+pub const NORM_CHUNK: usize = 8;
+/// Largest row (`hidden`) the fused kernels take: one f32 partial per
+/// chunk lives in 16 KiB of shared memory.
+pub const NORM_MAX_HIDDEN: usize = 32768;
+/// Chunks of the longest row.
+pub const NORM_MAX_CHUNKS: usize = NORM_MAX_HIDDEN / NORM_CHUNK;
+
+/// The one by-value parameter of the fused allreduce + residual add +
+/// RMSNorm entries (`allreduce_rmsnorm_*`). `base` is an allreduce's, with
+/// `count = rows * hidden` elements and `outputs` the normed results; per
+/// rank r (slot r, or only the launching rank's for real-rank entries):
+/// `residual[r]` in, `residual_out[r]` out (may equal `residual[r]`),
+/// `gamma[r]` (`hidden` elements). Two-stage also needs scratch of
+/// `2 * count` elements per rank (residual out, then normed).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NormArgs {
+    pub base: LaunchArgs,
+    pub residual: [u64; MAX_RANKS],
+    pub residual_out: [u64; MAX_RANKS],
+    pub gamma: [u64; MAX_RANKS],
+    pub rows: u64,
+    pub hidden: u64,
+    pub eps: f32,
+    pub _pad: u32,
+}
+
+const _: () = {
+    use core::mem::{offset_of, size_of};
+    assert!(size_of::<NormArgs>() == 400);
+    assert!(offset_of!(NormArgs, residual) == 184);
+    assert!(offset_of!(NormArgs, rows) == 376);
+    assert!(offset_of!(NormArgs, eps) == 392);
+    assert!(NORM_MAX_CHUNKS * 4 == 16384);
+};
+
 /// Element types the kernels reduce.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

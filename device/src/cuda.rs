@@ -62,6 +62,39 @@ pub fn sync_threads_or(pred: bool) -> bool {
     r != 0
 }
 
+/// Square root rounded to nearest even (`sqrt.rn.f32`): correctly
+/// rounded, as IEEE 754 requires and the CPU reference computes.
+#[inline(always)]
+pub fn sqrt_rn(x: f32) -> f32 {
+    let r: f32;
+    // SAFETY: an arithmetic instruction; no memory access.
+    unsafe {
+        asm!("sqrt.rn.f32 {r}, {x};", x = in(reg32) x, r = out(reg32) r,
+            options(nostack, nomem, pure));
+    }
+    r
+}
+
+/// The block's [`crate::abi::NORM_MAX_CHUNKS`] f32 words of static shared
+/// memory for the fused RMSNorm's sum of squares, as a generic address.
+/// Declared in a nested scope of the kernel that calls this (once, at the
+/// top of the kernel, uniform across the block).
+#[inline(always)]
+pub fn norm_shared() -> *mut f32 {
+    let p: u64;
+    // SAFETY: declares the block's shared array and takes its address; no
+    // memory access. 16 KiB = NORM_MAX_CHUNKS * 4 (asserted in abi.rs).
+    unsafe {
+        asm!(
+            "{{ .shared .align 16 .b8 p2p_norm_partials[16384];",
+            "mov.u64 {t}, p2p_norm_partials;",
+            "cvta.shared.u64 {p}, {t}; }}",
+            t = out(reg64) _, p = out(reg64) p,
+            options(nostack, nomem));
+    }
+    p as *mut f32
+}
+
 /// `%globaltimer`: a nanosecond clock shared by the whole GPU.
 #[inline(always)]
 pub fn global_timer_ns() -> u64 {

@@ -14,7 +14,8 @@
 //! two-stage entries, which read peers' buffers; `push.rs` the push entries,
 //! which write into peers' landing zones; `push_ll.rs` the push entries whose
 //! data carries its own arrival signal; `push_two_stage.rs` reduce-scatter
-//! and all-gather by writes into landing zones.
+//! and all-gather by writes into landing zones; `norm.rs` the fused
+//! allreduce + residual add + RMSNorm (`allreduce_rmsnorm_*`).
 //!
 //! Which barriers run, and with which memory order, comes from the protocol
 //! table in [`crate::barrier`] ([`barriers`](crate::barrier::barriers),
@@ -541,6 +542,7 @@ macro_rules! push_entries {
 }
 use push_entries;
 
+mod norm;
 mod pull;
 mod push;
 mod push_ll;

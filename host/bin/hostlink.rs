@@ -116,6 +116,7 @@ fn measure_all(
     let dev_b = DeviceAlloc::zeroed(ctx, max)?;
     let signal = DeviceAlloc::zeroed(ctx, std::mem::size_of::<Signal>())?;
     let entry = Entry {
+        op: p2p_allreduce::ptx::Op::Allreduce,
         algorithm: Algorithm::OneStage,
         dtype: Dtype::F32,
         world: 1,

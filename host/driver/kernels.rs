@@ -2,7 +2,7 @@
 //! launches. Every call binds the module's context first.
 
 use super::{module_for_device, record_drop_error};
-use crate::abi::LaunchArgs;
+use crate::abi::{LaunchArgs, NormArgs};
 use crate::error::{Context as _, Result};
 use crate::ptx::{Entry, PtxModule};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
@@ -81,10 +81,62 @@ impl Kernels {
         threads: u32,
         args: &LaunchArgs,
     ) -> Result<()> {
+        debug_assert_eq!(entry.op, crate::ptx::Op::Allreduce);
+        // SAFETY: forwarded; an allreduce entry takes one LaunchArgs.
+        unsafe {
+            self.launch_param(
+                stream,
+                entry,
+                grid,
+                threads,
+                args as *const LaunchArgs as *mut c_void,
+            )
+        }
+    }
+
+    /// Launches a fused entry (`Op::AddRmsNorm`) with one by-value
+    /// [`NormArgs`] on `stream`, with this module's context current.
+    ///
+    /// # Safety
+    /// As for [`Kernels::launch`], for every pointer in `args` (residual,
+    /// residual out, gamma, outputs, the table) and `args.base.count`.
+    pub unsafe fn launch_norm(
+        &self,
+        stream: &CudaStream,
+        entry: Entry,
+        grid: (u32, u32),
+        threads: u32,
+        args: &NormArgs,
+    ) -> Result<()> {
+        debug_assert_eq!(entry.op, crate::ptx::Op::AddRmsNorm);
+        // SAFETY: forwarded; a fused entry takes one NormArgs.
+        unsafe {
+            self.launch_param(
+                stream,
+                entry,
+                grid,
+                threads,
+                args as *const NormArgs as *mut c_void,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `param` points to the one parameter `entry` takes (its layout and
+    /// size, `Entry::param_bytes`), valid for the call; the pointers in it
+    /// as the entry's contract requires.
+    unsafe fn launch_param(
+        &self,
+        stream: &CudaStream,
+        entry: Entry,
+        grid: (u32, u32),
+        threads: u32,
+        param: *mut c_void,
+    ) -> Result<()> {
         let f = self.function(entry)?;
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        let mut params = [args as *const LaunchArgs as *mut c_void];
-        // SAFETY: `f` takes exactly one parameter of LaunchArgs' size and
+        let mut params = [param];
+        // SAFETY: `f` takes exactly one parameter of the entry's size and
         // layout (asserted in abi.rs and checked against the PTX by
         // tests/ptx.rs); the driver copies the parameter bytes before
         // returning; pointer validity is the caller's contract.
@@ -120,15 +172,18 @@ impl Kernels {
     /// driver calls later: a first call inside CUDA-graph capture must not
     /// have to.
     pub fn prepare(&self, world: usize, virtual_ranks: bool, threads: u32) -> Result<()> {
-        for algorithm in crate::abi::Algorithm::ALL {
-            for dtype in crate::abi::Dtype::ALL {
-                let entry = Entry {
-                    algorithm,
-                    dtype,
-                    world,
-                    virtual_ranks,
-                };
-                self.co_resident_blocks(entry, threads)?;
+        for op in [crate::ptx::Op::Allreduce, crate::ptx::Op::AddRmsNorm] {
+            for &algorithm in op.algorithms() {
+                for dtype in crate::abi::Dtype::ALL {
+                    let entry = Entry {
+                        op,
+                        algorithm,
+                        dtype,
+                        world,
+                        virtual_ranks,
+                    };
+                    self.co_resident_blocks(entry, threads)?;
+                }
             }
         }
         Ok(())

@@ -398,3 +398,56 @@ fn adversarial_f32_covers_wide_exponents() {
     let finite = (0..50_000).all(|_| adversarial_f32_with(&mut s, Specials::NONE).is_finite());
     assert!(finite);
 }
+
+#[test]
+fn add_rmsnorm_follows_the_documented_order() {
+    // Two ranks, two rows of hidden 3, eps 0.5.
+    let x0 = f32s(&[1.0, 2.0, 3.0, -1.0, 0.5, 4.0]);
+    let x1 = f32s(&[3.0, 4.0, -1.0, 1.0, 0.5, 0.0]);
+    let residual = f32s(&[0.0, 1.0, 1.0, 2.0, 0.0, -4.0]);
+    let gamma = f32s(&[1.0, 2.0, 0.5]);
+    let (ro, normed) = add_rmsnorm_bits(Dtype::F32, &[&x0[..], &x1[..]], &residual, &gamma, 0.5);
+    let ro: Vec<f32> = ro.iter().map(|&b| f32::from_bits(b)).collect();
+    assert_eq!(ro, vec![4.0, 7.0, 3.0, 2.0, 1.0, 0.0]);
+    // Row 0: ss = 16 + 49 + 9 = 74; inv = 1 / sqrt(74 / 3 + 0.5).
+    let inv = 1.0f32 / (74.0f32 / 3.0 + 0.5).sqrt();
+    assert_eq!(f32::from_bits(normed[1]), (7.0 * inv) * 2.0);
+    // Row 1: ss = 4 + 1 + 0 = 5.
+    let inv = 1.0f32 / (5.0f32 / 3.0 + 0.5).sqrt();
+    assert_eq!(f32::from_bits(normed[3]), 2.0 * inv);
+    assert_eq!(normed[5], 0);
+}
+
+#[test]
+fn add_rmsnorm_sum_of_squares_is_a_tree_of_chunks() {
+    // 17 chunks of 8 ones, but chunk 0 holds one huge value: a sequential
+    // sum over all elements absorbs the ones that the tree keeps.
+    let hidden = 17 * RMS_CHUNK;
+    let mut row = vec![1.0f32; hidden];
+    row[0] = 4096.0; // square 2^24: adding 1.0 to it is lost, adding 8.0 is not
+    let x = f32s(&row);
+    let zeros = vec![0u32; hidden];
+    let gamma = f32s(&vec![1.0; hidden]);
+    let (_, normed) = add_rmsnorm_bits(Dtype::F32, &[&x[..]], &zeros, &gamma, 0.0);
+    let sequential = row.iter().fold(0.0f32, |a, &v| a + v * v);
+    let parts: Vec<f32> = row
+        .chunks(RMS_CHUNK)
+        .map(|c| c.iter().skip(1).fold(c[0] * c[0], |a, &v| a + v * v))
+        .collect();
+    let mut tree = parts.clone();
+    let mut s = 1;
+    while s < tree.len() {
+        let mut k = 0;
+        while k + s < tree.len() {
+            tree[k] += tree[k + s];
+            k += 2 * s;
+        }
+        s *= 2;
+    }
+    assert_ne!(
+        sequential, tree[0],
+        "the data must tell the two orders apart"
+    );
+    let inv = 1.0f32 / (tree[0] / hidden as f32).sqrt();
+    assert_eq!(f32::from_bits(normed[1]), inv);
+}

@@ -38,6 +38,7 @@ fn main() -> Res<()> {
 fn kernel_provider() {
     let module = ptx::module_for((9, 0)).expect("this build embeds PTX for sm_90");
     let entry = Entry {
+        op: p2p_allreduce::ptx::Op::Allreduce,
         algorithm: Algorithm::OneStage,
         dtype: Dtype::Bf16,
         world: 8,

@@ -65,6 +65,15 @@ pub struct BenchArgs {
     /// Skip validating each row against the CPU reference (#wrong shows N/A).
     #[arg(long)]
     pub no_check: bool,
+    /// The fused allreduce + residual add + RMSNorm instead: rows 1..512 x
+    /// `--hidden` bf16, fused (one-stage, two-stage, auto) vs unfused vs
+    /// the plain allreduce of the same bytes (validated by the GPU suite,
+    /// not per row).
+    #[arg(long)]
+    pub fused: bool,
+    /// Row length for `--fused`.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
 }
 
 impl Default for BenchArgs {
@@ -95,6 +104,8 @@ impl Default for BenchArgs {
             threads: 512,
             no_nccl: false,
             no_check: false,
+            fused: false,
+            hidden: 7168,
         }
     }
 }

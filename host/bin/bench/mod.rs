@@ -19,6 +19,7 @@
 //! `peer` and `proc_ranks` are the three ways of running the ranks.
 
 mod args;
+mod fused;
 mod peer;
 mod proc_ranks;
 mod table;
@@ -98,6 +99,15 @@ pub fn run(args: &BenchArgs) -> ExitCode {
     }
     if args.algo.is_empty() || args.world.is_empty() {
         return usage_error("give at least one --algo and one --world");
+    }
+    if args.fused {
+        if args.hidden == 0 || args.hidden > p2p_allreduce::abi::NORM_MAX_HIDDEN {
+            return usage_error(&format!(
+                "--hidden must be in 1..={}",
+                p2p_allreduce::abi::NORM_MAX_HIDDEN
+            ));
+        }
+        return fused::run_fused(args, args.hidden);
     }
     let sizes = sizes(
         args.minbytes,

@@ -1,0 +1,427 @@
+//! Fused allreduce + residual add + RMSNorm (`allreduce_rmsnorm_*`): the
+//! one-stage and two-stage pull algorithms, by whole rows, with the exact
+//! operation order of docs/numerics.md.
+
+use super::*;
+use crate::abi::{NormArgs, NORM_CHUNK, NORM_MAX_HIDDEN};
+
+/// Row `row` of the fused operation, by every thread of the block: the
+/// allreduce of `inputs` (rank order, as `reduce_pack`), the residual add,
+/// the sum of squares (chunk partials in shared memory `sh`, then the
+/// pairwise tree), and the normed row. Results go to `res_out` and `normed`
+/// (and, two-stage, to `keep` and `keep + count`, this rank's scratch).
+///
+/// # Safety
+/// Every pointer is valid for the row's elements (inputs, `res_in`,
+/// `res_out`, `normed`; `gamma` for `hidden`; `keep`, unless 0, for
+/// `2 * rows * hidden`); `sh` is the block's shared array of at least
+/// `ceil(hidden / 8)` words; `hidden <= NORM_MAX_HIDDEN`; every thread of
+/// the block calls it (it contains `bar.sync`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn norm_row<E: Element, const N: usize>(
+    inputs: &[u64; MAX_RANKS],
+    res_in: u64,
+    res_out: u64,
+    gamma: u64,
+    normed: u64,
+    keep: u64,
+    count: u64,
+    row: u64,
+    hidden: u64,
+    eps: f32,
+    sh: *mut f32,
+) {
+    let tid = thread_idx_x() as u64;
+    let nthreads = block_dim_x() as u64;
+    const CH: u64 = NORM_CHUNK as u64;
+    let chunks = hidden.div_ceil(CH);
+    let base = row * hidden;
+    // Whole 16-byte packs when every chunk is whole: rows then start at
+    // multiples of 8 elements, so packs stay aligned.
+    let packed = hidden % CH == 0;
+    let lanes = E::LANES as u64;
+    let mut inp = [core::ptr::null::<Pack>(); N];
+    let mut r = 0;
+    while r < N {
+        inp[r] = inputs[r] as *const Pack;
+        r += 1;
+    }
+    // Pass 1: sum, residual add, squares of each chunk in column order.
+    let mut k = tid;
+    while k < chunks {
+        let c0 = k * CH;
+        let mut acc = 0f32;
+        if packed {
+            let mut m = 0;
+            while m < CH / lanes {
+                let pi = (base + c0) / lanes + m;
+                // SAFETY: pack pi lies inside the row of every buffer
+                // (contract); `keep` holds 2 * count elements.
+                unsafe {
+                    let sum = E::unpack(reduce_at::<E, N>(&inp, pi));
+                    let res = E::unpack(ld_pack((res_in as *const Pack).add(pi as usize)));
+                    let mut ro = [0f32; 8];
+                    let mut l = 0;
+                    while l < E::LANES {
+                        ro[l] = sum[l] + res[l];
+                        l += 1;
+                    }
+                    let rop = E::pack(&ro);
+                    st_pack((res_out as *mut Pack).add(pi as usize), rop);
+                    if keep != 0 {
+                        st_pack((keep as *mut Pack).add(pi as usize), rop);
+                    }
+                    let q = E::unpack(rop);
+                    let mut l = 0;
+                    while l < E::LANES {
+                        let sq = q[l] * q[l];
+                        acc = if m == 0 && l == 0 { sq } else { acc + sq };
+                        l += 1;
+                    }
+                }
+                m += 1;
+            }
+        } else {
+            let c1 = if c0 + CH < hidden { c0 + CH } else { hidden };
+            let mut c = c0;
+            while c < c1 {
+                let idx = base + c;
+                // SAFETY: idx is inside the row of every buffer (contract).
+                let (ro, q) = unsafe {
+                    let mut s = E::to_f32(ld_elem::<E>(inputs[0], idx));
+                    let mut r = 1;
+                    while r < N {
+                        s += E::to_f32(ld_elem::<E>(inputs[r], idx));
+                        r += 1;
+                    }
+                    let sum = E::to_f32(E::from_f32(s));
+                    let ro = E::from_f32(sum + E::to_f32(ld_elem::<E>(res_in, idx)));
+                    (ro, E::to_f32(ro))
+                };
+                // SAFETY: as above; `keep` holds 2 * count elements.
+                unsafe {
+                    st_elem::<E>(res_out, idx, ro);
+                    if keep != 0 {
+                        st_elem::<E>(keep, idx, ro);
+                    }
+                }
+                let sq = q * q;
+                acc = if c == c0 { sq } else { acc + sq };
+                c += 1;
+            }
+        }
+        // SAFETY: k < chunks <= NORM_MAX_CHUNKS words of `sh`.
+        unsafe { write_volatile(sh.add(k as usize), acc) };
+        k += nthreads;
+    }
+    sync_threads();
+    // The pairwise tree over chunk partials: at stride s, partial k (a
+    // multiple of 2s) adds partial k + s. A function of `chunks` only.
+    let mut s = 1u64;
+    while s < chunks {
+        let mut k = tid * 2 * s;
+        while k < chunks {
+            if k + s < chunks {
+                // SAFETY: k + s < chunks: inside `sh`; no other thread
+                // touches these two words at this stride.
+                unsafe {
+                    let v =
+                        read_volatile(sh.add(k as usize)) + read_volatile(sh.add((k + s) as usize));
+                    write_volatile(sh.add(k as usize), v);
+                }
+            }
+            k += nthreads * 2 * s;
+        }
+        sync_threads();
+        s *= 2;
+    }
+    // SAFETY: word 0 of `sh`, final after the last bar.sync.
+    let total = unsafe { read_volatile(sh) };
+    let inv = 1.0 / sqrt_rn(total / hidden as f32 + eps);
+    // Pass 2: the normed row, from the residual out this thread wrote.
+    let mut k = tid;
+    while k < chunks {
+        let c0 = k * CH;
+        if packed {
+            let mut m = 0;
+            while m < CH / lanes {
+                let pi = (base + c0) / lanes + m;
+                // SAFETY: as in pass 1; gamma pack c0 / lanes + m < hidden /
+                // lanes.
+                unsafe {
+                    let q = E::unpack(ld_pack((res_out as *const Pack).add(pi as usize)));
+                    let g = E::unpack(ld_pack(
+                        (gamma as *const Pack).add((c0 / lanes + m) as usize),
+                    ));
+                    let mut n = [0f32; 8];
+                    let mut l = 0;
+                    while l < E::LANES {
+                        n[l] = (q[l] * inv) * g[l];
+                        l += 1;
+                    }
+                    let np = E::pack(&n);
+                    st_pack_streaming((normed as *mut Pack).add(pi as usize), np);
+                    if keep != 0 {
+                        st_pack((keep as *mut Pack).add((count / lanes + pi) as usize), np);
+                    }
+                }
+                m += 1;
+            }
+        } else {
+            let mut c = c0;
+            while c < c0 + CH && c < hidden {
+                let idx = base + c;
+                // SAFETY: as in pass 1; gamma holds `hidden` elements.
+                unsafe {
+                    let q = E::to_f32(ld_elem::<E>(res_out, idx));
+                    let g = E::to_f32(ld_elem::<E>(gamma, c));
+                    let n = E::from_f32((q * inv) * g);
+                    st_elem::<E>(normed, idx, n);
+                    if keep != 0 {
+                        st_elem::<E>(keep, count + idx, n);
+                    }
+                }
+                c += 1;
+            }
+        }
+        k += nthreads;
+    }
+    // The next row reuses `sh`.
+    sync_threads();
+}
+
+/// One rank's part of a fused collective, by every thread of every block.
+/// One-stage: every rank computes every row (rows `block`, `block +
+/// nblocks`, ...), reading every rank's input. Two-stage: rank r computes
+/// its partition of the rows into its outputs and its scratch; after `Mid`
+/// it copies the other partitions' rows from their owners' scratch (block
+/// b copies the rows block b of the owner wrote).
+///
+/// # Safety
+/// As for the allreduce ([`super::pull`]), with `p` filled as
+/// [`NormArgs`] says: `a.count == rows * hidden`; residual, residual out,
+/// normed (`a.outputs`) of `a.count` elements and gamma of `hidden`
+/// elements for this rank; two-stage scratch of `2 * a.count` elements
+/// for every rank.
+#[inline(always)]
+unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
+    p: &NormArgs,
+    rank: u32,
+) {
+    let a = &p.base;
+    if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
+        return;
+    }
+    let sh = norm_shared();
+    let block = block_idx_x();
+    let nblocks = grid_dim_x();
+    let tid = thread_idx_x();
+    let nthreads = block_dim_x();
+    let own_sig = pick::<N>(&a.signals, rank);
+    let (rows, hidden) = (p.rows, p.hidden);
+    let bad = nblocks as usize > MAX_BLOCKS
+        || (nthreads as usize) < N
+        || hidden as usize > NORM_MAX_HIDDEN
+        || rows.checked_mul(hidden) != Some(a.count);
+    // SAFETY: `a.table` points to a RankTable the host filled (contract).
+    let t = unsafe { &*(a.table as *const RankTable) };
+    let mut missing = false;
+    let mut r = 0;
+    while r < N {
+        missing |= t.inputs[r] == 0;
+        r += 1;
+    }
+    let code = if bad {
+        error_code::BAD_LAUNCH
+    } else if missing {
+        error_code::UNREGISTERED
+    } else {
+        error_code::NONE
+    };
+    if code != error_code::NONE {
+        if tid == 0 {
+            // SAFETY: `own_sig` is this rank's own signal (contract).
+            unsafe { record_error(own_sig, a.host_error, code, rank, block, 0, 0, 0) };
+        }
+        return;
+    }
+    let algo = if TWO_STAGE {
+        Algorithm::TwoStage
+    } else {
+        Algorithm::OneStage
+    };
+    let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
+    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
+    let epoch = next_epoch(unsafe { read_volatile(epoch_ptr) });
+    // SAFETY: (every barrier below) the group's signals, rank < N, block <
+    // MAX_BLOCKS, blockDim.x >= N (checked), uniform control flow.
+    if !unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::Start, epoch) } {
+        return;
+    }
+    // SAFETY: own signal; every thread of the block, after the barrier.
+    unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
+
+    let res_in = pick::<N>(&p.residual, rank);
+    let res_out = pick::<N>(&p.residual_out, rank);
+    let gamma = pick::<N>(&p.gamma, rank);
+    let normed = pick::<N>(&a.outputs, rank);
+    let (first, end) = if TWO_STAGE {
+        partition(rows, N as u32, rank)
+    } else {
+        (0, rows)
+    };
+    let keep = if TWO_STAGE {
+        t.scratch[rank as usize]
+    } else {
+        0
+    };
+    let mut row = first + block as u64;
+    while row < end {
+        // SAFETY: row < rows: inside every buffer (contract); `sh` is this
+        // block's shared array; hidden <= NORM_MAX_HIDDEN (checked).
+        unsafe {
+            norm_row::<E, N>(
+                &t.inputs, res_in, res_out, gamma, normed, keep, a.count, row, hidden, p.eps, sh,
+            )
+        };
+        row += nblocks as u64;
+    }
+    if !TWO_STAGE {
+        // No rank returns (and lets its input be overwritten) while a peer
+        // still reads it.
+        // SAFETY: as for Start.
+        unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::End, epoch) };
+        return;
+    }
+    // SAFETY: as for Start; Mid publishes the scratch rows written above.
+    if !unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::Mid, epoch) } {
+        return;
+    }
+    // The other partitions' rows, by the block that wrote them at their
+    // owner (the same row decomposition), residual out then normed.
+    let g = tid as u64;
+    let mut q = 0;
+    while q < N {
+        if q as u32 != rank {
+            let (qs, qe) = partition(rows, N as u32, q as u32);
+            let src = t.scratch[q];
+            let mut row = qs + block as u64;
+            while row < qe {
+                if hidden % NORM_CHUNK as u64 == 0 {
+                    let lanes = E::LANES as u64;
+                    let (p0, p1) = (row * hidden / lanes, (row + 1) * hidden / lanes);
+                    let off = a.count / lanes;
+                    let mut i = p0 + g;
+                    while i < p1 {
+                        // SAFETY: pack i < count / lanes: inside the owner's
+                        // scratch (2 * count elements) and this rank's
+                        // outputs (contract); all 16-byte aligned.
+                        unsafe {
+                            let s = src as *const Pack;
+                            st_pack(
+                                (res_out as *mut Pack).add(i as usize),
+                                ld_pack(s.add(i as usize)),
+                            );
+                            st_pack_streaming(
+                                (normed as *mut Pack).add(i as usize),
+                                ld_pack(s.add((off + i) as usize)),
+                            );
+                        }
+                        i += nthreads as u64;
+                    }
+                } else {
+                    let mut c = g;
+                    while c < hidden {
+                        let idx = row * hidden + c;
+                        // SAFETY: idx < count: inside the owner's scratch
+                        // (2 * count elements) and this rank's outputs.
+                        unsafe {
+                            st_elem::<E>(res_out, idx, ld_elem::<E>(src, idx));
+                            st_elem::<E>(normed, idx, ld_elem::<E>(src, a.count + idx));
+                        }
+                        c += nthreads as u64;
+                    }
+                }
+                row += nblocks as u64;
+            }
+        }
+        q += 1;
+    }
+}
+
+macro_rules! norm_entries {
+    ($( $name:ident, $vname:ident: $E:ty, $N:literal, $two:literal; )*) => { $(
+        /// A real-rank fused entry: this rank is `p.base.rank`.
+        ///
+        /// # Safety
+        /// Launched by the host under the launch contract of the module
+        /// documentation, with `p` filled as `allreduce_rmsnorm` requires.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(p: NormArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce_rmsnorm::<$E, $N, $two>(&p, p.base.rank) }
+        }
+        /// A virtual-rank fused entry: this rank is `blockIdx.y`.
+        ///
+        /// # Safety
+        /// As for the real-rank entry, with `gridDim.y == N` and every
+        /// block co-resident.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $vname(p: NormArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce_rmsnorm::<$E, $N, $two>(&p, block_idx_y()) }
+        }
+    )* };
+}
+
+norm_entries! {
+    allreduce_rmsnorm_one_stage_f32_w1, allreduce_rmsnorm_one_stage_f32_w1_virtual: F32, 1, false;
+    allreduce_rmsnorm_one_stage_f32_w2, allreduce_rmsnorm_one_stage_f32_w2_virtual: F32, 2, false;
+    allreduce_rmsnorm_one_stage_f32_w3, allreduce_rmsnorm_one_stage_f32_w3_virtual: F32, 3, false;
+    allreduce_rmsnorm_one_stage_f32_w4, allreduce_rmsnorm_one_stage_f32_w4_virtual: F32, 4, false;
+    allreduce_rmsnorm_one_stage_f32_w5, allreduce_rmsnorm_one_stage_f32_w5_virtual: F32, 5, false;
+    allreduce_rmsnorm_one_stage_f32_w6, allreduce_rmsnorm_one_stage_f32_w6_virtual: F32, 6, false;
+    allreduce_rmsnorm_one_stage_f32_w7, allreduce_rmsnorm_one_stage_f32_w7_virtual: F32, 7, false;
+    allreduce_rmsnorm_one_stage_f32_w8, allreduce_rmsnorm_one_stage_f32_w8_virtual: F32, 8, false;
+    allreduce_rmsnorm_one_stage_f16_w1, allreduce_rmsnorm_one_stage_f16_w1_virtual: F16, 1, false;
+    allreduce_rmsnorm_one_stage_f16_w2, allreduce_rmsnorm_one_stage_f16_w2_virtual: F16, 2, false;
+    allreduce_rmsnorm_one_stage_f16_w3, allreduce_rmsnorm_one_stage_f16_w3_virtual: F16, 3, false;
+    allreduce_rmsnorm_one_stage_f16_w4, allreduce_rmsnorm_one_stage_f16_w4_virtual: F16, 4, false;
+    allreduce_rmsnorm_one_stage_f16_w5, allreduce_rmsnorm_one_stage_f16_w5_virtual: F16, 5, false;
+    allreduce_rmsnorm_one_stage_f16_w6, allreduce_rmsnorm_one_stage_f16_w6_virtual: F16, 6, false;
+    allreduce_rmsnorm_one_stage_f16_w7, allreduce_rmsnorm_one_stage_f16_w7_virtual: F16, 7, false;
+    allreduce_rmsnorm_one_stage_f16_w8, allreduce_rmsnorm_one_stage_f16_w8_virtual: F16, 8, false;
+    allreduce_rmsnorm_one_stage_bf16_w1, allreduce_rmsnorm_one_stage_bf16_w1_virtual: Bf16, 1, false;
+    allreduce_rmsnorm_one_stage_bf16_w2, allreduce_rmsnorm_one_stage_bf16_w2_virtual: Bf16, 2, false;
+    allreduce_rmsnorm_one_stage_bf16_w3, allreduce_rmsnorm_one_stage_bf16_w3_virtual: Bf16, 3, false;
+    allreduce_rmsnorm_one_stage_bf16_w4, allreduce_rmsnorm_one_stage_bf16_w4_virtual: Bf16, 4, false;
+    allreduce_rmsnorm_one_stage_bf16_w5, allreduce_rmsnorm_one_stage_bf16_w5_virtual: Bf16, 5, false;
+    allreduce_rmsnorm_one_stage_bf16_w6, allreduce_rmsnorm_one_stage_bf16_w6_virtual: Bf16, 6, false;
+    allreduce_rmsnorm_one_stage_bf16_w7, allreduce_rmsnorm_one_stage_bf16_w7_virtual: Bf16, 7, false;
+    allreduce_rmsnorm_one_stage_bf16_w8, allreduce_rmsnorm_one_stage_bf16_w8_virtual: Bf16, 8, false;
+    allreduce_rmsnorm_two_stage_f32_w1, allreduce_rmsnorm_two_stage_f32_w1_virtual: F32, 1, true;
+    allreduce_rmsnorm_two_stage_f32_w2, allreduce_rmsnorm_two_stage_f32_w2_virtual: F32, 2, true;
+    allreduce_rmsnorm_two_stage_f32_w3, allreduce_rmsnorm_two_stage_f32_w3_virtual: F32, 3, true;
+    allreduce_rmsnorm_two_stage_f32_w4, allreduce_rmsnorm_two_stage_f32_w4_virtual: F32, 4, true;
+    allreduce_rmsnorm_two_stage_f32_w5, allreduce_rmsnorm_two_stage_f32_w5_virtual: F32, 5, true;
+    allreduce_rmsnorm_two_stage_f32_w6, allreduce_rmsnorm_two_stage_f32_w6_virtual: F32, 6, true;
+    allreduce_rmsnorm_two_stage_f32_w7, allreduce_rmsnorm_two_stage_f32_w7_virtual: F32, 7, true;
+    allreduce_rmsnorm_two_stage_f32_w8, allreduce_rmsnorm_two_stage_f32_w8_virtual: F32, 8, true;
+    allreduce_rmsnorm_two_stage_f16_w1, allreduce_rmsnorm_two_stage_f16_w1_virtual: F16, 1, true;
+    allreduce_rmsnorm_two_stage_f16_w2, allreduce_rmsnorm_two_stage_f16_w2_virtual: F16, 2, true;
+    allreduce_rmsnorm_two_stage_f16_w3, allreduce_rmsnorm_two_stage_f16_w3_virtual: F16, 3, true;
+    allreduce_rmsnorm_two_stage_f16_w4, allreduce_rmsnorm_two_stage_f16_w4_virtual: F16, 4, true;
+    allreduce_rmsnorm_two_stage_f16_w5, allreduce_rmsnorm_two_stage_f16_w5_virtual: F16, 5, true;
+    allreduce_rmsnorm_two_stage_f16_w6, allreduce_rmsnorm_two_stage_f16_w6_virtual: F16, 6, true;
+    allreduce_rmsnorm_two_stage_f16_w7, allreduce_rmsnorm_two_stage_f16_w7_virtual: F16, 7, true;
+    allreduce_rmsnorm_two_stage_f16_w8, allreduce_rmsnorm_two_stage_f16_w8_virtual: F16, 8, true;
+    allreduce_rmsnorm_two_stage_bf16_w1, allreduce_rmsnorm_two_stage_bf16_w1_virtual: Bf16, 1, true;
+    allreduce_rmsnorm_two_stage_bf16_w2, allreduce_rmsnorm_two_stage_bf16_w2_virtual: Bf16, 2, true;
+    allreduce_rmsnorm_two_stage_bf16_w3, allreduce_rmsnorm_two_stage_bf16_w3_virtual: Bf16, 3, true;
+    allreduce_rmsnorm_two_stage_bf16_w4, allreduce_rmsnorm_two_stage_bf16_w4_virtual: Bf16, 4, true;
+    allreduce_rmsnorm_two_stage_bf16_w5, allreduce_rmsnorm_two_stage_bf16_w5_virtual: Bf16, 5, true;
+    allreduce_rmsnorm_two_stage_bf16_w6, allreduce_rmsnorm_two_stage_bf16_w6_virtual: Bf16, 6, true;
+    allreduce_rmsnorm_two_stage_bf16_w7, allreduce_rmsnorm_two_stage_bf16_w7_virtual: Bf16, 7, true;
+    allreduce_rmsnorm_two_stage_bf16_w8, allreduce_rmsnorm_two_stage_bf16_w8_virtual: Bf16, 8, true;
+}

@@ -1,0 +1,356 @@
+//! The fused allreduce + residual add + RMSNorm: its plan (algorithm, row
+//! chunks, blocks) and its launches, for every group kind. Numerics in
+//! docs/numerics.md; the CPU oracle is `reference::add_rmsnorm_bits`.
+
+use crate::abi::{Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS, NORM_MAX_HIDDEN};
+use crate::checks::check_aligned;
+use crate::collective::{stage, Collective};
+use crate::error::{Error, Result};
+use crate::launch::Ranks;
+use crate::plan::{AlgoChoice, Config, Link};
+use crate::ptx::{Entry, Op};
+use cudarc::driver::CudaStream;
+use std::sync::Arc;
+
+/// Device pointers of one fused call, by rank (zero for ranks another
+/// process runs).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NormPtrs {
+    pub inputs: [u64; MAX_RANKS],
+    pub residual: [u64; MAX_RANKS],
+    pub residual_out: [u64; MAX_RANKS],
+    pub gamma: [u64; MAX_RANKS],
+    pub normed: [u64; MAX_RANKS],
+}
+
+/// The plan of one fused call: one algorithm for the whole call, the rows
+/// of each launch, and the blocks per rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NormPlan {
+    pub algorithm: Algorithm,
+    pub rows: usize,
+    pub hidden: usize,
+    /// Rows per launch (all of them if they fit the staging buffers).
+    pub rows_per_step: usize,
+    /// Blocks per rank (each block takes whole rows).
+    pub blocks: u32,
+}
+
+impl NormPlan {
+    /// The plan of `rows x hidden` elements of `dtype` per rank, or the
+    /// error that refuses it: `hidden` 0 with rows, or above
+    /// [`NORM_MAX_HIDDEN`] (`NormShape`); a push algorithm
+    /// (`NormAlgorithm`); a row that does not fit the staging buffers
+    /// (`MessageTooLarge`; two-stage needs twice, for its scratch), or rows
+    /// that need chunks with chunking off.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        config: &Config,
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        world: usize,
+        link: Link,
+        choice: AlgoChoice,
+    ) -> Result<NormPlan> {
+        if hidden == 0 && rows > 0 {
+            return Err(Error::NormShape(format!(
+                "{rows} rows of hidden size 0: give hidden >= 1"
+            )));
+        }
+        if hidden > NORM_MAX_HIDDEN {
+            return Err(Error::NormShape(format!(
+                "hidden size {hidden} is above the fused kernels' {NORM_MAX_HIDDEN}: use allreduce and a separate RMSNorm"
+            )));
+        }
+        let row_bytes = hidden.max(1) * dtype.size();
+        let total = rows * row_bytes;
+        let mut algorithm = match choice {
+            AlgoChoice::Auto => match config.choose(AlgoChoice::Auto, total, world, link) {
+                Algorithm::TwoStage => Algorithm::TwoStage,
+                _ => Algorithm::OneStage,
+            },
+            AlgoChoice::OneStage => Algorithm::OneStage,
+            AlgoChoice::TwoStage => Algorithm::TwoStage,
+            other => {
+                return Err(Error::NormAlgorithm(
+                    other.explicit().unwrap_or(Algorithm::OneStage),
+                ))
+            }
+        };
+        // Two-stage keeps residual out and normed rows in scratch.
+        let fits = |a: Algorithm| {
+            let per_row = if a == Algorithm::TwoStage {
+                2 * row_bytes
+            } else {
+                row_bytes
+            };
+            config.max_bytes / per_row
+        };
+        if fits(algorithm) == 0 && algorithm == Algorithm::TwoStage && choice == AlgoChoice::Auto {
+            algorithm = Algorithm::OneStage;
+        }
+        let rows_per_step = fits(algorithm);
+        if rows_per_step == 0 || (rows > rows_per_step && !config.chunking) {
+            return Err(Error::MessageTooLarge {
+                bytes: if rows_per_step == 0 { row_bytes } else { total },
+                capacity: config.max_bytes,
+            });
+        }
+        let rows_per_step = rows_per_step.min(rows.max(1));
+        let work = if algorithm == Algorithm::TwoStage {
+            rows_per_step.div_ceil(world.max(1))
+        } else {
+            rows_per_step
+        };
+        let blocks = (work as u32).clamp(1, config.blocks_cap(link));
+        Ok(NormPlan {
+            algorithm,
+            rows,
+            hidden,
+            rows_per_step,
+            blocks,
+        })
+    }
+
+    /// `(first row, rows)` of each launch; one empty launch for no rows
+    /// (it still runs the barriers, as every rank's call must).
+    pub fn steps(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let n = self.rows.div_ceil(self.rows_per_step).max(1);
+        (0..n).map(move |k| {
+            let first = k * self.rows_per_step;
+            (
+                first,
+                self.rows_per_step.min(self.rows - first.min(self.rows)),
+            )
+        })
+    }
+}
+
+/// The shape of a fused call, `(rows, hidden)`, from every rank's buffer
+/// lengths: inputs agree (`RankMismatch`), hidden is gamma's length (the
+/// same on every rank), the inputs are whole rows (`NormShape`), residuals
+/// and normed outputs hold them (`BufferTooSmall`); `eps` finite and >= 0.
+pub(crate) fn norm_shape(
+    dtype: Dtype,
+    inputs: impl Iterator<Item = usize>,
+    residuals: impl Iterator<Item = usize>,
+    gammas: impl Iterator<Item = usize>,
+    normed: impl Iterator<Item = usize>,
+    eps: f32,
+) -> Result<(usize, usize)> {
+    let count = crate::checks::count_of(dtype, inputs, normed)?;
+    for (rank, len) in residuals.enumerate() {
+        if len < count {
+            return Err(Error::BufferTooSmall {
+                what: "residual",
+                rank,
+                len,
+                need: count,
+            });
+        }
+    }
+    let mut hidden = None;
+    for (rank, len) in gammas.enumerate() {
+        let h = *hidden.get_or_insert(len);
+        if len != h {
+            return Err(Error::NormShape(format!(
+                "gamma of rank {rank} has {len} elements, rank 0's {h}: give every rank the same hidden size"
+            )));
+        }
+    }
+    let hidden = hidden.unwrap_or(0);
+    if !eps.is_finite() || eps < 0.0 {
+        return Err(Error::NormShape(format!(
+            "eps = {eps}: use a finite value >= 0"
+        )));
+    }
+    if hidden == 0 {
+        if count > 0 {
+            return Err(Error::NormShape(
+                "gamma is empty: its length is the hidden size".into(),
+            ));
+        }
+        return Ok((0, 0));
+    }
+    if count % hidden != 0 {
+        return Err(Error::NormShape(format!(
+            "{count} elements are not whole rows of hidden size {hidden} (gamma's length)"
+        )));
+    }
+    Ok((count / hidden, hidden))
+}
+
+impl Collective {
+    /// Staged fused call: for each row chunk, every member copies its
+    /// ranks' inputs into their staging buffers and launches.
+    ///
+    /// # Safety
+    /// For every rank r launched from this process: `p.inputs[r]` and
+    /// `p.residual[r]` valid for reads, `p.residual_out[r]` and
+    /// `p.normed[r]` for writes of `rows * hidden` elements of `dtype`,
+    /// `p.gamma[r]` for reads of `hidden`, on that rank's device, until the
+    /// work on its stream completes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn add_rmsnorm_staged(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        p: &NormPtrs,
+        choice: AlgoChoice,
+    ) -> Result<Algorithm> {
+        let plan = NormPlan::new(
+            &self.config,
+            dtype,
+            rows,
+            hidden,
+            self.world,
+            self.link,
+            choice,
+        )?;
+        for member in &self.members {
+            for r in member.owns(self.world) {
+                for (what, ptr) in [
+                    ("residual", p.residual[r]),
+                    ("residual output", p.residual_out[r]),
+                    ("gamma", p.gamma[r]),
+                    ("normed output", p.normed[r]),
+                ] {
+                    check_aligned(what, r, ptr)?;
+                }
+            }
+        }
+        self.begin(streams)?;
+        let size = dtype.size() as u64;
+        let threads = self.config.threads_per_block;
+        for (first, n) in plan.steps() {
+            let off = (first * hidden) as u64 * size;
+            for (member, stream) in self.members.iter().zip(streams) {
+                for r in member.owns(self.world) {
+                    // SAFETY: inputs[r] holds rows * hidden elements
+                    // (caller); staging holds max_bytes >= n * hidden (plan).
+                    unsafe {
+                        stage(
+                            member.staging[r],
+                            p.inputs[r],
+                            first * hidden,
+                            n * hidden,
+                            dtype.size(),
+                            stream,
+                        )?
+                    };
+                }
+                let (grid_y, rank) = match member.ranks {
+                    Ranks::All => (self.world as u32, 0),
+                    Ranks::One(r) => (1, r as u32),
+                };
+                let entry = Entry {
+                    op: Op::AddRmsNorm,
+                    algorithm: plan.algorithm,
+                    dtype,
+                    world: self.world,
+                    virtual_ranks: member.ranks == Ranks::All,
+                };
+                let capacity = member.kernels.co_resident_blocks(entry, threads)?;
+                if plan.blocks * grid_y > capacity {
+                    return Err(Error::NotCoResident {
+                        blocks: plan.blocks * grid_y,
+                        threads,
+                        capacity,
+                    });
+                }
+                let mut args = NormArgs {
+                    base: LaunchArgs {
+                        table: member.staged_table.ptr(),
+                        signals: self.signals,
+                        count: (n * hidden) as u64,
+                        timeout_ns: self.config.timeout_ns(),
+                        rank,
+                        host_error: member.mailbox.device_ptr(),
+                        ..Default::default()
+                    },
+                    rows: n as u64,
+                    hidden: hidden as u64,
+                    eps,
+                    ..Default::default()
+                };
+                for r in member.owns(self.world) {
+                    args.base.outputs[r] = p.normed[r] + off;
+                    args.residual[r] = p.residual[r] + off;
+                    args.residual_out[r] = p.residual_out[r] + off;
+                    args.gamma[r] = p.gamma[r];
+                }
+                // SAFETY: the staged table names this group's staging and
+                // scratch (scratch holds 2 * n * hidden elements for
+                // two-stage: the plan); the other pointers are the caller's
+                // contract, offset to this chunk.
+                unsafe {
+                    member.kernels.launch_norm(
+                        stream,
+                        entry,
+                        (plan.blocks, grid_y),
+                        threads,
+                        &args,
+                    )?
+                };
+            }
+        }
+        Ok(plan.algorithm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(c: &Config, rows: usize, hidden: usize, choice: AlgoChoice) -> Result<NormPlan> {
+        NormPlan::new(c, Dtype::Bf16, rows, hidden, 2, Link::NvLink, choice)
+    }
+
+    #[test]
+    fn plans_take_whole_rows_and_refuse_what_cannot_run() {
+        let c = Config::with_max_bytes(1 << 20);
+        let p = plan(&c, 3, 7168, AlgoChoice::Auto).expect("plan");
+        assert_eq!(p.algorithm, Algorithm::OneStage);
+        assert_eq!(p.steps().collect::<Vec<_>>(), vec![(0, 3)]);
+        assert_eq!(p.blocks, 3);
+        // Two-stage: scratch holds residual out and normed.
+        let p = plan(&c, 300, 7168, AlgoChoice::TwoStage).expect("plan");
+        let rows_per_step = (1 << 20) / (2 * 7168 * 2);
+        assert_eq!(p.rows_per_step, rows_per_step);
+        let steps: Vec<_> = p.steps().collect();
+        assert_eq!(steps.iter().map(|s| s.1).sum::<usize>(), 300);
+        assert!(steps.iter().all(|s| s.1 <= rows_per_step));
+        // No rows: one launch of nothing.
+        let p = plan(&c, 0, 7168, AlgoChoice::Auto).expect("plan");
+        assert_eq!(p.steps().collect::<Vec<_>>(), vec![(0, 0)]);
+        assert!(matches!(
+            plan(&c, 1, 0, AlgoChoice::Auto),
+            Err(Error::NormShape(_))
+        ));
+        assert!(matches!(
+            plan(&c, 1, NORM_MAX_HIDDEN + 1, AlgoChoice::Auto),
+            Err(Error::NormShape(_))
+        ));
+        assert!(matches!(
+            plan(&c, 1, 64, AlgoChoice::PushLl),
+            Err(Error::NormAlgorithm(Algorithm::PushLl))
+        ));
+        let tiny = Config::with_max_bytes(256);
+        assert!(matches!(
+            plan(&tiny, 1, 4096, AlgoChoice::OneStage),
+            Err(Error::MessageTooLarge { .. })
+        ));
+        let no_chunks = Config {
+            chunking: false,
+            ..Config::with_max_bytes(1 << 20)
+        };
+        assert!(matches!(
+            plan(&no_chunks, 300, 7168, AlgoChoice::OneStage),
+            Err(Error::MessageTooLarge { .. })
+        ));
+    }
+}
