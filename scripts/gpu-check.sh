@@ -24,10 +24,10 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])'; }
   # Only the suite and the bench (the device tool carries at most 64 MiB).
   cargo test --release --no-run --test gpu --features nccl --message-format=json | exes | while read -r name exe; do
-    [ "$name" = gpu ] && cp "$exe" ".carry/bin/test-$name"
+    if [ "$name" = gpu ]; then cp "$exe" ".carry/bin/test-$name"; fi
   done
   cargo bench --no-run --bench allreduce --message-format=json | exes | while read -r name exe; do
-    [ "$name" = allreduce ] && cp "$exe" ".carry/bin/bench-$name"
+    if [ "$name" = allreduce ]; then cp "$exe" ".carry/bin/bench-$name"; fi
   done
   cargo build --release --features cli --bin p2p-allreduce
   cp target/release/p2p-allreduce .carry/bin/
