@@ -41,8 +41,7 @@ impl NormPlan {
     /// error that refuses it: `hidden` 0 with rows, or above
     /// [`NORM_MAX_HIDDEN`] (`NormShape`); a push algorithm
     /// (`NormAlgorithm`); a row that does not fit the staging buffers
-    /// (`MessageTooLarge`; two-stage needs twice, for its scratch), or rows
-    /// that need chunks with chunking off.
+    /// (`MessageTooLarge`), or rows that need chunks with chunking off.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
@@ -65,7 +64,7 @@ impl NormPlan {
         }
         let row_bytes = hidden.max(1) * dtype.size();
         let total = rows * row_bytes;
-        let mut algorithm = match choice {
+        let algorithm = match choice {
             AlgoChoice::Auto => match config.choose(AlgoChoice::Auto, total, world, link) {
                 Algorithm::TwoStage => Algorithm::TwoStage,
                 _ => Algorithm::OneStage,
@@ -78,19 +77,8 @@ impl NormPlan {
                 ))
             }
         };
-        // Two-stage keeps residual out and normed rows in scratch.
-        let fits = |a: Algorithm| {
-            let per_row = if a == Algorithm::TwoStage {
-                2 * row_bytes
-            } else {
-                row_bytes
-            };
-            config.max_bytes / per_row
-        };
-        if fits(algorithm) == 0 && algorithm == Algorithm::TwoStage && choice == AlgoChoice::Auto {
-            algorithm = Algorithm::OneStage;
-        }
-        let rows_per_step = fits(algorithm);
+        // Staging holds the inputs and, two-stage, scratch the sums.
+        let rows_per_step = config.max_bytes / row_bytes;
         if rows_per_step == 0 || (rows > rows_per_step && !config.chunking) {
             return Err(Error::MessageTooLarge {
                 bytes: if rows_per_step == 0 { row_bytes } else { total },
@@ -284,9 +272,9 @@ impl Collective {
                     args.gamma[r] = p.gamma[r];
                 }
                 // SAFETY: the staged table names this group's staging and
-                // scratch (scratch holds 2 * n * hidden elements for
-                // two-stage: the plan); the other pointers are the caller's
-                // contract, offset to this chunk.
+                // scratch (each holds n * hidden elements: the plan); the
+                // other pointers are the caller's contract, offset to this
+                // chunk.
                 unsafe {
                     member.kernels.launch_norm(
                         stream,
@@ -317,9 +305,9 @@ mod tests {
         assert_eq!(p.algorithm, Algorithm::OneStage);
         assert_eq!(p.steps().collect::<Vec<_>>(), vec![(0, 3)]);
         assert_eq!(p.blocks, 3);
-        // Two-stage: scratch holds residual out and normed.
+        // Row chunks of what the staging buffers hold.
         let p = plan(&c, 300, 7168, AlgoChoice::TwoStage).expect("plan");
-        let rows_per_step = (1 << 20) / (2 * 7168 * 2);
+        let rows_per_step = (1 << 20) / (7168 * 2);
         assert_eq!(p.rows_per_step, rows_per_step);
         let steps: Vec<_> = p.steps().collect();
         assert_eq!(steps.iter().map(|s| s.1).sum::<usize>(), 300);

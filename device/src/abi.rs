@@ -269,7 +269,7 @@ pub const NORM_MAX_CHUNKS: usize = NORM_MAX_HIDDEN / NORM_CHUNK;
 /// rank r (slot r, or only the launching rank's for real-rank entries):
 /// `residual[r]` in, `residual_out[r]` out (may equal `residual[r]`),
 /// `gamma[r]` (`hidden` elements). Two-stage also needs scratch of
-/// `2 * count` elements per rank (residual out, then normed).
+/// `count` elements per rank (the rounded sums of its rows).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct NormArgs {

@@ -5,28 +5,79 @@
 use super::*;
 use crate::abi::{NormArgs, NORM_CHUNK, NORM_MAX_HIDDEN};
 
-/// Row `row` of the fused operation, by every thread of the block: the
-/// allreduce of `inputs` (rank order, as `reduce_pack`), the residual add,
-/// the sum of squares (chunk partials in shared memory `sh`, then the
-/// pairwise tree), and the normed row. Results go to `res_out` and `normed`
-/// (and, two-stage, to `keep` and `keep + count`, this rank's scratch).
+/// The rounded sums of pack `pi` (whole chunks only): the reduction of
+/// every rank's input in rank order (`from == 0`), or loaded from `from`,
+/// where the owner of the row left them (two-stage).
 ///
 /// # Safety
-/// Every pointer is valid for the row's elements (inputs, `res_in`,
-/// `res_out`, `normed`; `gamma` for `hidden`; `keep`, unless 0, for
-/// `2 * rows * hidden`); `sh` is the block's shared array of at least
-/// `ceil(hidden / 8)` words; `hidden <= NORM_MAX_HIDDEN`; every thread of
-/// the block calls it (it contains `bar.sync`).
+/// Pack `pi` of every input (or of `from`) is readable.
+#[inline(always)]
+unsafe fn sums_at<E: Element, const N: usize>(inp: &[*const Pack; N], from: u64, pi: u64) -> Pack {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        if from != 0 {
+            ld_pack((from as *const Pack).add(pi as usize))
+        } else {
+            reduce_at::<E, N>(inp, pi)
+        }
+    }
+}
+
+/// Residual add of one pack: stores `residual_out` and returns its squares
+/// added in lane order onto `acc` (`first`: the chunk's first pack).
+///
+/// # Safety
+/// Pack `pi` of `res_out` is writable.
+#[inline(always)]
+unsafe fn add_pack<E: Element>(
+    sum: Pack,
+    res: Pack,
+    res_out: u64,
+    pi: u64,
+    acc: f32,
+    first: bool,
+) -> f32 {
+    let (sum, res) = (E::unpack(sum), E::unpack(res));
+    let mut ro = [0f32; 8];
+    let mut l = 0;
+    while l < E::LANES {
+        ro[l] = sum[l] + res[l];
+        l += 1;
+    }
+    let rop = E::pack(&ro);
+    // SAFETY: forwarded caller contract.
+    unsafe { st_pack((res_out as *mut Pack).add(pi as usize), rop) };
+    let q = E::unpack(rop);
+    let mut acc = acc;
+    let mut l = 0;
+    while l < E::LANES {
+        let sq = q[l] * q[l];
+        acc = if first && l == 0 { sq } else { acc + sq };
+        l += 1;
+    }
+    acc
+}
+
+/// Row `row` of the fused operation, by every thread of the block: the
+/// rounded sums (reduced from `inputs`, or loaded from `from`), the
+/// residual add, the sum of squares (chunk partials in shared memory `sh`,
+/// then the pairwise tree), and the normed row into `res_out` and `normed`.
+///
+/// # Safety
+/// Every pointer is valid for the row's elements (the inputs or `from`,
+/// `res_in`, `res_out`, `normed`; `gamma` for `hidden`); `sh` is the
+/// block's shared array of at least `ceil(hidden / 8)` words; `hidden <=
+/// NORM_MAX_HIDDEN`; every thread of the block calls it (it contains
+/// `bar.sync`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn norm_row<E: Element, const N: usize>(
     inputs: &[u64; MAX_RANKS],
+    from: u64,
     res_in: u64,
     res_out: u64,
     gamma: u64,
     normed: u64,
-    keep: u64,
-    count: u64,
     row: u64,
     hidden: u64,
     eps: f32,
@@ -41,44 +92,63 @@ unsafe fn norm_row<E: Element, const N: usize>(
     // multiples of 8 elements, so packs stay aligned.
     let packed = hidden % CH == 0;
     let lanes = E::LANES as u64;
+    let per_chunk = CH / lanes;
     let mut inp = [core::ptr::null::<Pack>(); N];
     let mut r = 0;
     while r < N {
         inp[r] = inputs[r] as *const Pack;
         r += 1;
     }
-    // Pass 1: sum, residual add, squares of each chunk in column order.
+    let res_p = res_in as *const Pack;
+    // Pass 1: sums, residual add, squares of each chunk in column order.
     let mut k = tid;
+    // Two chunks per iteration where the registers allow (one pack per
+    // chunk, or few ranks): both chunks' loads are in flight before the
+    // first add, one remote round trip instead of two.
+    if packed && (per_chunk == 1 || N <= 4) {
+        while k + nthreads < chunks {
+            let (ka, kb) = (k, k + nthreads);
+            let mut acc_a = 0f32;
+            let mut acc_b = 0f32;
+            let mut m = 0;
+            while m < per_chunk {
+                let pa = (base + ka * CH) / lanes + m;
+                let pb = (base + kb * CH) / lanes + m;
+                // SAFETY: packs pa, pb lie inside the row of every buffer.
+                unsafe {
+                    let (sa, sb) = (
+                        sums_at::<E, N>(&inp, from, pa),
+                        sums_at::<E, N>(&inp, from, pb),
+                    );
+                    let (ra, rb) = (
+                        ld_pack(res_p.add(pa as usize)),
+                        ld_pack(res_p.add(pb as usize)),
+                    );
+                    acc_a = add_pack::<E>(sa, ra, res_out, pa, acc_a, m == 0);
+                    acc_b = add_pack::<E>(sb, rb, res_out, pb, acc_b, m == 0);
+                }
+                m += 1;
+            }
+            // SAFETY: ka < kb < chunks <= NORM_MAX_CHUNKS words of `sh`.
+            unsafe {
+                write_volatile(sh.add(ka as usize), acc_a);
+                write_volatile(sh.add(kb as usize), acc_b);
+            }
+            k += 2 * nthreads;
+        }
+    }
     while k < chunks {
         let c0 = k * CH;
         let mut acc = 0f32;
         if packed {
             let mut m = 0;
-            while m < CH / lanes {
+            while m < per_chunk {
                 let pi = (base + c0) / lanes + m;
-                // SAFETY: pack pi lies inside the row of every buffer
-                // (contract); `keep` holds 2 * count elements.
+                // SAFETY: pack pi lies inside the row of every buffer.
                 unsafe {
-                    let sum = E::unpack(reduce_at::<E, N>(&inp, pi));
-                    let res = E::unpack(ld_pack((res_in as *const Pack).add(pi as usize)));
-                    let mut ro = [0f32; 8];
-                    let mut l = 0;
-                    while l < E::LANES {
-                        ro[l] = sum[l] + res[l];
-                        l += 1;
-                    }
-                    let rop = E::pack(&ro);
-                    st_pack((res_out as *mut Pack).add(pi as usize), rop);
-                    if keep != 0 {
-                        st_pack((keep as *mut Pack).add(pi as usize), rop);
-                    }
-                    let q = E::unpack(rop);
-                    let mut l = 0;
-                    while l < E::LANES {
-                        let sq = q[l] * q[l];
-                        acc = if m == 0 && l == 0 { sq } else { acc + sq };
-                        l += 1;
-                    }
+                    let s = sums_at::<E, N>(&inp, from, pi);
+                    let r = ld_pack(res_p.add(pi as usize));
+                    acc = add_pack::<E>(s, r, res_out, pi, acc, m == 0);
                 }
                 m += 1;
             }
@@ -88,24 +158,22 @@ unsafe fn norm_row<E: Element, const N: usize>(
             while c < c1 {
                 let idx = base + c;
                 // SAFETY: idx is inside the row of every buffer (contract).
-                let (ro, q) = unsafe {
-                    let mut s = E::to_f32(ld_elem::<E>(inputs[0], idx));
-                    let mut r = 1;
-                    while r < N {
-                        s += E::to_f32(ld_elem::<E>(inputs[r], idx));
-                        r += 1;
-                    }
-                    let sum = E::to_f32(E::from_f32(s));
+                let q = unsafe {
+                    let sum = if from != 0 {
+                        E::to_f32(ld_elem::<E>(from, idx))
+                    } else {
+                        let mut s = E::to_f32(ld_elem::<E>(inputs[0], idx));
+                        let mut r = 1;
+                        while r < N {
+                            s += E::to_f32(ld_elem::<E>(inputs[r], idx));
+                            r += 1;
+                        }
+                        E::to_f32(E::from_f32(s))
+                    };
                     let ro = E::from_f32(sum + E::to_f32(ld_elem::<E>(res_in, idx)));
-                    (ro, E::to_f32(ro))
-                };
-                // SAFETY: as above; `keep` holds 2 * count elements.
-                unsafe {
                     st_elem::<E>(res_out, idx, ro);
-                    if keep != 0 {
-                        st_elem::<E>(keep, idx, ro);
-                    }
-                }
+                    E::to_f32(ro)
+                };
                 let sq = q * q;
                 acc = if c == c0 { sq } else { acc + sq };
                 c += 1;
@@ -145,7 +213,7 @@ unsafe fn norm_row<E: Element, const N: usize>(
         let c0 = k * CH;
         if packed {
             let mut m = 0;
-            while m < CH / lanes {
+            while m < per_chunk {
                 let pi = (base + c0) / lanes + m;
                 // SAFETY: as in pass 1; gamma pack c0 / lanes + m < hidden /
                 // lanes.
@@ -160,11 +228,7 @@ unsafe fn norm_row<E: Element, const N: usize>(
                         n[l] = (q[l] * inv) * g[l];
                         l += 1;
                     }
-                    let np = E::pack(&n);
-                    st_pack_streaming((normed as *mut Pack).add(pi as usize), np);
-                    if keep != 0 {
-                        st_pack((keep as *mut Pack).add((count / lanes + pi) as usize), np);
-                    }
+                    st_pack_streaming((normed as *mut Pack).add(pi as usize), E::pack(&n));
                 }
                 m += 1;
             }
@@ -176,11 +240,7 @@ unsafe fn norm_row<E: Element, const N: usize>(
                 unsafe {
                     let q = E::to_f32(ld_elem::<E>(res_out, idx));
                     let g = E::to_f32(ld_elem::<E>(gamma, c));
-                    let n = E::from_f32((q * inv) * g);
-                    st_elem::<E>(normed, idx, n);
-                    if keep != 0 {
-                        st_elem::<E>(keep, count + idx, n);
-                    }
+                    st_elem::<E>(normed, idx, E::from_f32((q * inv) * g));
                 }
                 c += 1;
             }
@@ -191,19 +251,64 @@ unsafe fn norm_row<E: Element, const N: usize>(
     sync_threads();
 }
 
-/// One rank's part of a fused collective, by every thread of every block.
-/// One-stage: every rank computes every row (rows `block`, `block +
-/// nblocks`, ...), reading every rank's input. Two-stage: rank r computes
-/// its partition of the rows into its outputs and its scratch; after `Mid`
-/// it copies the other partitions' rows from their owners' scratch (block
-/// b copies the rows block b of the owner wrote).
+/// Rounded sums of row `row` into `dst` (two-stage, stage 1), by every
+/// thread of the block.
+///
+/// # Safety
+/// The row lies inside every input and `dst`.
+#[inline(always)]
+unsafe fn sum_row<E: Element, const N: usize>(
+    inputs: &[u64; MAX_RANKS],
+    dst: u64,
+    row: u64,
+    hidden: u64,
+) {
+    let tid = thread_idx_x() as u64;
+    let nthreads = block_dim_x() as u64;
+    if hidden % NORM_CHUNK as u64 == 0 {
+        let lanes = E::LANES as u64;
+        let mut inp = [core::ptr::null::<Pack>(); N];
+        let mut r = 0;
+        while r < N {
+            inp[r] = inputs[r] as *const Pack;
+            r += 1;
+        }
+        let (p0, p1) = (row * hidden / lanes, (row + 1) * hidden / lanes);
+        // SAFETY: packs p0 .. p1 are the row's, inside every input and
+        // `dst` (contract).
+        unsafe {
+            reduce_range::<E, N, true>(
+                &inp,
+                dst as *mut Pack,
+                core::ptr::null_mut(),
+                p0,
+                p1,
+                tid,
+                nthreads,
+            )
+        };
+    } else {
+        // SAFETY: the row's elements are inside every input and `dst`.
+        unsafe { reduce_tail::<E, N>(inputs, dst, row * hidden, hidden, tid, nthreads) };
+    }
+}
+
+/// One rank's part of a fused collective, by every thread of every block;
+/// block b takes rows b, b + nblocks, ... One-stage: every rank reduces and
+/// normalises every row, reading every rank's input. Two-stage: rank r
+/// reduces its partition of the rows into its scratch (rounded sums);
+/// after `Mid` every rank normalises every row, its own partition from its
+/// scratch and the others' from their owners' (block b reads the rows
+/// block b wrote: the same row decomposition on every rank). Each rank
+/// adds its own residual and uses its own gamma, so both algorithms give
+/// the same bits for any residuals.
 ///
 /// # Safety
 /// As for the allreduce ([`super::pull`]), with `p` filled as
 /// [`NormArgs`] says: `a.count == rows * hidden`; residual, residual out,
 /// normed (`a.outputs`) of `a.count` elements and gamma of `hidden`
-/// elements for this rank; two-stage scratch of `2 * a.count` elements
-/// for every rank.
+/// elements for this rank; two-stage scratch of `a.count` elements for
+/// every rank.
 #[inline(always)]
 unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     p: &NormArgs,
@@ -266,23 +371,47 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     let res_out = pick::<N>(&p.residual_out, rank);
     let gamma = pick::<N>(&p.gamma, rank);
     let normed = pick::<N>(&a.outputs, rank);
-    let (first, end) = if TWO_STAGE {
-        partition(rows, N as u32, rank)
-    } else {
-        (0, rows)
-    };
-    let keep = if TWO_STAGE {
-        t.scratch[rank as usize]
-    } else {
-        0
-    };
-    let mut row = first + block as u64;
-    while row < end {
+    if TWO_STAGE {
+        // Stage 1: this rank's rows, rounded sums into its scratch.
+        let (first, end) = partition(rows, N as u32, rank);
+        let own_scratch = t.scratch[rank as usize];
+        // The first row of the partition that block `block` takes.
+        let mut row =
+            first + (block as u64 + nblocks as u64 - first % nblocks as u64) % nblocks as u64;
+        while row < end {
+            // SAFETY: row < rows: inside every input and this rank's
+            // scratch (count elements, contract).
+            unsafe { sum_row::<E, N>(&t.inputs, own_scratch, row, hidden) };
+            row += nblocks as u64;
+        }
+        // SAFETY: as for Start; Mid publishes the scratch rows.
+        if !unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::Mid, epoch) } {
+            return;
+        }
+    }
+    // Every row: the sums reduced here (one-stage) or read from the row's
+    // owner (two-stage), then this rank's residual add and RMSNorm.
+    let mut row = block as u64;
+    while row < rows {
+        let from = if TWO_STAGE {
+            // The owner of `row`: partitions are contiguous and ordered.
+            let mut owner = 0usize;
+            let mut q = 1;
+            while q < N {
+                if row >= partition(rows, N as u32, q as u32).0 {
+                    owner = q;
+                }
+                q += 1;
+            }
+            t.scratch[owner]
+        } else {
+            0
+        };
         // SAFETY: row < rows: inside every buffer (contract); `sh` is this
         // block's shared array; hidden <= NORM_MAX_HIDDEN (checked).
         unsafe {
             norm_row::<E, N>(
-                &t.inputs, res_in, res_out, gamma, normed, keep, a.count, row, hidden, p.eps, sh,
+                &t.inputs, from, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
             )
         };
         row += nblocks as u64;
@@ -292,61 +421,6 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
         // still reads it.
         // SAFETY: as for Start.
         unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::End, epoch) };
-        return;
-    }
-    // SAFETY: as for Start; Mid publishes the scratch rows written above.
-    if !unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::Mid, epoch) } {
-        return;
-    }
-    // The other partitions' rows, by the block that wrote them at their
-    // owner (the same row decomposition), residual out then normed.
-    let g = tid as u64;
-    let mut q = 0;
-    while q < N {
-        if q as u32 != rank {
-            let (qs, qe) = partition(rows, N as u32, q as u32);
-            let src = t.scratch[q];
-            let mut row = qs + block as u64;
-            while row < qe {
-                if hidden % NORM_CHUNK as u64 == 0 {
-                    let lanes = E::LANES as u64;
-                    let (p0, p1) = (row * hidden / lanes, (row + 1) * hidden / lanes);
-                    let off = a.count / lanes;
-                    let mut i = p0 + g;
-                    while i < p1 {
-                        // SAFETY: pack i < count / lanes: inside the owner's
-                        // scratch (2 * count elements) and this rank's
-                        // outputs (contract); all 16-byte aligned.
-                        unsafe {
-                            let s = src as *const Pack;
-                            st_pack(
-                                (res_out as *mut Pack).add(i as usize),
-                                ld_pack(s.add(i as usize)),
-                            );
-                            st_pack_streaming(
-                                (normed as *mut Pack).add(i as usize),
-                                ld_pack(s.add((off + i) as usize)),
-                            );
-                        }
-                        i += nthreads as u64;
-                    }
-                } else {
-                    let mut c = g;
-                    while c < hidden {
-                        let idx = row * hidden + c;
-                        // SAFETY: idx < count: inside the owner's scratch
-                        // (2 * count elements) and this rank's outputs.
-                        unsafe {
-                            st_elem::<E>(res_out, idx, ld_elem::<E>(src, idx));
-                            st_elem::<E>(normed, idx, ld_elem::<E>(src, a.count + idx));
-                        }
-                        c += nthreads as u64;
-                    }
-                }
-                row += nblocks as u64;
-            }
-        }
-        q += 1;
     }
 }
 
