@@ -75,6 +75,22 @@ pub fn sqrt_rn(x: f32) -> f32 {
     r
 }
 
+/// `shfl.sync.down.b32` over the whole warp: lane l gets lane l + `delta`'s
+/// `v` (its own `v` where l + delta > 31). Every lane of the warp must call
+/// it together.
+#[inline(always)]
+pub fn shfl_down(v: f32, delta: u32) -> f32 {
+    let r: f32;
+    // SAFETY: a warp shuffle; callers keep the warp converged (uniform
+    // control flow), as the full mask requires.
+    unsafe {
+        asm!("shfl.sync.down.b32 {r}, {v}, {d}, 31, -1;",
+            v = in(reg32) v, d = in(reg32) delta, r = out(reg32) r,
+            options(nostack, nomem));
+    }
+    r
+}
+
 /// The block's [`crate::abi::NORM_MAX_CHUNKS`] f32 words of static shared
 /// memory for the fused RMSNorm's sum of squares, as a generic address.
 /// Declared in a nested scope of the kernel that calls this (once, at the

@@ -184,28 +184,8 @@ unsafe fn norm_row<E: Element, const N: usize>(
         k += nthreads;
     }
     sync_threads();
-    // The pairwise tree over chunk partials: at stride s, partial k (a
-    // multiple of 2s) adds partial k + s. A function of `chunks` only.
-    let mut s = 1u64;
-    while s < chunks {
-        let mut k = tid * 2 * s;
-        while k < chunks {
-            if k + s < chunks {
-                // SAFETY: k + s < chunks: inside `sh`; no other thread
-                // touches these two words at this stride.
-                unsafe {
-                    let v =
-                        read_volatile(sh.add(k as usize)) + read_volatile(sh.add((k + s) as usize));
-                    write_volatile(sh.add(k as usize), v);
-                }
-            }
-            k += nthreads * 2 * s;
-        }
-        sync_threads();
-        s *= 2;
-    }
-    // SAFETY: word 0 of `sh`, final after the last bar.sync.
-    let total = unsafe { read_volatile(sh) };
+    // SAFETY: `sh` holds the `chunks` partials; every thread of the block.
+    let total = unsafe { tree_sum(sh, chunks) };
     let inv = 1.0 / sqrt_rn(total / hidden as f32 + eps);
     // Pass 2: the normed row, from the residual out this thread wrote.
     let mut k = tid;
@@ -249,6 +229,96 @@ unsafe fn norm_row<E: Element, const N: usize>(
     }
     // The next row reuses `sh`.
     sync_threads();
+}
+
+/// The pairwise tree over the `chunks` partials in `sh`, as docs/numerics.md
+/// defines it: at stride s = 1, 2, 4, ..., partial k (a multiple of 2s)
+/// adds partial k + s when k + s < chunks; the result is partial 0's. The
+/// order is a function of `chunks` only; the work is spread as follows.
+/// Chunk k sits in lane k mod 32 of warp (k / 32) mod W (W warps), so the
+/// strides 1..16 stay inside a group of 32 chunks in one warp: warp
+/// shuffles, no barrier. Each group's sum goes into its first chunk's
+/// word; warp 0 then runs the strides 32, 64, ... over the (at most 128)
+/// groups: shuffles for 1..16 groups apart, then three adds in lane 0.
+///
+/// # Safety
+/// `sh` holds `chunks <= NORM_MAX_CHUNKS` partials written before a
+/// `bar.sync`; every thread of the block calls it (it contains
+/// `bar.sync`); `blockDim.x` is a multiple of 32.
+#[inline(always)]
+unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
+    let tid = thread_idx_x() as u64;
+    let nthreads = block_dim_x() as u64;
+    let lane = tid % 32;
+    // Strides 1..16: within each warp's group of 32 chunks, slot by slot.
+    let slots = chunks.div_ceil(nthreads);
+    let mut slot = 0;
+    while slot < slots {
+        let k = slot * nthreads + tid;
+        // SAFETY: k < chunks is inside `sh`; others read nothing.
+        let mut v = if k < chunks {
+            unsafe { read_volatile(sh.add(k as usize)) }
+        } else {
+            0.0
+        };
+        let mut s = 1u64;
+        while s < 32 {
+            let other = shfl_down(v, s as u32);
+            if lane % (2 * s) == 0 && k + s < chunks {
+                v += other;
+            }
+            s *= 2;
+        }
+        if lane == 0 && k < chunks {
+            // SAFETY: the group's first word, read above by this lane only.
+            unsafe { write_volatile(sh.add(k as usize), v) };
+        }
+        slot += 1;
+    }
+    sync_threads();
+    // Strides of 32 chunks and more: groups g = 32 j + lane (j = 0..4) in
+    // warp 0, whose sums sit at word 32 g.
+    let groups = chunks.div_ceil(32);
+    if tid < 32 {
+        let mut a = [0f32; 4];
+        let mut j = 0;
+        while j < 4 {
+            let g = 32 * j as u64 + lane;
+            // SAFETY: g < groups: word 32 g < chunks is inside `sh`.
+            let mut v = if g < groups {
+                unsafe { read_volatile(sh.add(32 * g as usize)) }
+            } else {
+                0.0
+            };
+            let mut s = 1u64;
+            while s < 32 {
+                let other = shfl_down(v, s as u32);
+                if lane % (2 * s) == 0 && g + s < groups {
+                    v += other;
+                }
+                s *= 2;
+            }
+            a[j] = v;
+            j += 1;
+        }
+        if lane == 0 {
+            // Strides of 32 and 64 groups (1024 and 2048 chunks).
+            if 32 < groups {
+                a[0] += a[1];
+            }
+            if 96 < groups {
+                a[2] += a[3];
+            }
+            if 64 < groups {
+                a[0] += a[2];
+            }
+            // SAFETY: word 0 of `sh`.
+            unsafe { write_volatile(sh, a[0]) };
+        }
+    }
+    sync_threads();
+    // SAFETY: word 0, final after the bar.sync.
+    unsafe { read_volatile(sh) }
 }
 
 /// Rounded sums of row `row` into `dst` (two-stage, stage 1), by every
