@@ -6,16 +6,21 @@ use super::*;
 use crate::abi::{NormArgs, NORM_CHUNK, NORM_MAX_HIDDEN};
 
 /// The rounded sums of pack `pi` (whole chunks only): the reduction of
-/// every rank's input in rank order (`from == 0`), or loaded from `from`,
-/// where the owner of the row left them (two-stage).
+/// every rank's input in rank order, or (`FROM`) loaded from `from`, where
+/// the owner of the row left them (two-stage). A constant, so each kernel
+/// holds only the code (and registers) of its own case.
 ///
 /// # Safety
 /// Pack `pi` of every input (or of `from`) is readable.
 #[inline(always)]
-unsafe fn sums_at<E: Element, const N: usize>(inp: &[*const Pack; N], from: u64, pi: u64) -> Pack {
+unsafe fn sums_at<E: Element, const N: usize, const FROM: bool>(
+    inp: &[*const Pack; N],
+    from: u64,
+    pi: u64,
+) -> Pack {
     // SAFETY: forwarded caller contract.
     unsafe {
-        if from != 0 {
+        if FROM {
             ld_pack((from as *const Pack).add(pi as usize))
         } else {
             reduce_at::<E, N>(inp, pi)
@@ -59,7 +64,7 @@ unsafe fn add_pack<E: Element>(
 }
 
 /// Row `row` of the fused operation, by every thread of the block: the
-/// rounded sums (reduced from `inputs`, or loaded from `from`), the
+/// rounded sums (reduced from `inputs`, or with `FROM` loaded from `from`), the
 /// residual add, the sum of squares (chunk partials in shared memory `sh`,
 /// then the pairwise tree), and the normed row into `res_out` and `normed`.
 ///
@@ -71,7 +76,7 @@ unsafe fn add_pack<E: Element>(
 /// `bar.sync`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn norm_row<E: Element, const N: usize>(
+unsafe fn norm_row<E: Element, const N: usize, const FROM: bool>(
     inputs: &[u64; MAX_RANKS],
     from: u64,
     res_in: u64,
@@ -117,8 +122,8 @@ unsafe fn norm_row<E: Element, const N: usize>(
                 // SAFETY: packs pa, pb lie inside the row of every buffer.
                 unsafe {
                     let (sa, sb) = (
-                        sums_at::<E, N>(&inp, from, pa),
-                        sums_at::<E, N>(&inp, from, pb),
+                        sums_at::<E, N, FROM>(&inp, from, pa),
+                        sums_at::<E, N, FROM>(&inp, from, pb),
                     );
                     let (ra, rb) = (
                         ld_pack(res_p.add(pa as usize)),
@@ -146,7 +151,7 @@ unsafe fn norm_row<E: Element, const N: usize>(
                 let pi = (base + c0) / lanes + m;
                 // SAFETY: pack pi lies inside the row of every buffer.
                 unsafe {
-                    let s = sums_at::<E, N>(&inp, from, pi);
+                    let s = sums_at::<E, N, FROM>(&inp, from, pi);
                     let r = ld_pack(res_p.add(pi as usize));
                     acc = add_pack::<E>(s, r, res_out, pi, acc, m == 0);
                 }
@@ -159,7 +164,7 @@ unsafe fn norm_row<E: Element, const N: usize>(
                 let idx = base + c;
                 // SAFETY: idx is inside the row of every buffer (contract).
                 let q = unsafe {
-                    let sum = if from != 0 {
+                    let sum = if FROM {
                         E::to_f32(ld_elem::<E>(from, idx))
                     } else {
                         let mut s = E::to_f32(ld_elem::<E>(inputs[0], idx));
@@ -480,7 +485,7 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
         // SAFETY: row < rows: inside every buffer (contract); `sh` is this
         // block's shared array; hidden <= NORM_MAX_HIDDEN (checked).
         unsafe {
-            norm_row::<E, N>(
+            norm_row::<E, N, TWO_STAGE>(
                 &t.inputs, from, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
             )
         };
