@@ -86,12 +86,10 @@ impl NormPlan {
             });
         }
         let rows_per_step = rows_per_step.min(rows.max(1));
-        let work = if algorithm == Algorithm::TwoStage {
-            rows_per_step.div_ceil(world.max(1))
-        } else {
-            rows_per_step
-        };
-        let blocks = (work as u32).clamp(1, config.blocks_cap(link));
+        // A block per row up to the cap: both algorithms normalise every
+        // row on every rank (two-stage reduces only a partition first).
+        let blocks =
+            (rows_per_step.min(u32::MAX as usize) as u32).clamp(1, config.blocks_cap(link));
         Ok(NormPlan {
             algorithm,
             rows,
