@@ -167,6 +167,27 @@ pub(crate) fn norm_shape(
     Ok((count / hidden, hidden))
 }
 
+impl NormPtrs {
+    /// The pointers of a call, listed by rank; the residual is updated in
+    /// place (`residual_out == residual`).
+    pub(crate) fn in_place_residual(
+        inputs: &[u64],
+        residual: &[u64],
+        gamma: &[u64],
+        normed: &[u64],
+    ) -> Self {
+        use crate::checks::by_rank;
+        let residual = by_rank(residual.iter().copied());
+        NormPtrs {
+            inputs: by_rank(inputs.iter().copied()),
+            residual,
+            residual_out: residual,
+            gamma: by_rank(gamma.iter().copied()),
+            normed: by_rank(normed.iter().copied()),
+        }
+    }
+}
+
 impl Collective {
     /// Staged fused call: for each row chunk, every member copies its
     /// ranks' inputs into their staging buffers and launches.

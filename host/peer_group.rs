@@ -278,14 +278,8 @@ impl PeerGroup {
             .zip(streams)
             .map(|(b, s)| b.device_ptr_mut(s))
             .collect();
-        let res_p = by_rank(res.iter().map(|p| p.0));
-        let ptrs = NormPtrs {
-            inputs: by_rank(ins.iter().map(|p| p.0)),
-            residual: res_p,
-            residual_out: res_p,
-            gamma: by_rank(gam.iter().map(|p| p.0)),
-            normed: by_rank(outs.iter().map(|p| p.0)),
-        };
+        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
+        let ptrs = NormPtrs::in_place_residual(&raw(&ins), &raw(&res), &raw(&gam), &raw(&outs));
         let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: every pointer comes from a live slice or view on its
         // rank's device holding what `norm_shape` checked, guarded until

@@ -15,7 +15,7 @@
 //! never does.
 
 use crate::abi::{Algorithm, MAX_RANKS};
-use crate::config::Link;
+use crate::config::{AlgoChoice, Link};
 use crate::json::{self, Value};
 use std::path::{Path, PathBuf};
 
@@ -263,8 +263,6 @@ impl Thresholds {
         Ok(Some(t))
     }
 }
-
-use crate::config::AlgoChoice;
 
 fn check_bands(bands: &[Band]) -> Result<(), String> {
     if bands.is_empty() {

@@ -239,14 +239,8 @@ impl VirtualGroup {
             .iter_mut()
             .map(|s| s.device_ptr_mut(stream))
             .collect();
-        let res_p = by_rank(res.iter().map(|p| p.0));
-        let ptrs = NormPtrs {
-            inputs: by_rank(ins.iter().map(|p| p.0)),
-            residual: res_p,
-            residual_out: res_p,
-            gamma: by_rank(gam.iter().map(|p| p.0)),
-            normed: by_rank(outs.iter().map(|p| p.0)),
-        };
+        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
+        let ptrs = NormPtrs::in_place_residual(&raw(&ins), &raw(&res), &raw(&gam), &raw(&outs));
         // SAFETY: every pointer comes from a live slice or view holding
         // what `norm_shape` checked, guarded until the work is enqueued.
         unsafe {
@@ -293,15 +287,9 @@ impl VirtualGroup {
             .map(|s| s.device_ptr_mut(stream))
             .collect();
         let gam: Vec<_> = gamma.iter().map(|s| s.device_ptr(stream)).collect();
-        let x_p = by_rank(xs.iter().map(|p| p.0));
-        let res_p = by_rank(res.iter().map(|p| p.0));
-        let ptrs = NormPtrs {
-            inputs: x_p,
-            residual: res_p,
-            residual_out: res_p,
-            gamma: by_rank(gam.iter().map(|p| p.0)),
-            normed: x_p,
-        };
+        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
+        let x = raw(&xs);
+        let ptrs = NormPtrs::in_place_residual(&x, &raw(&res), &raw(&gam), &x);
         // SAFETY: live buffers holding what `norm_shape` checked; inputs are
         // staged, so writing the normed rows over them is allowed.
         unsafe {

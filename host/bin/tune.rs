@@ -88,20 +88,17 @@ pub fn run(args: &TuneArgs) -> ExitCode {
             if real { args.gpus.len() } else { 8 }
         ));
     }
-    let Some((default_path, _)) = thresholds::file_path() else {
-        if args.out.is_none() && !args.dry_run {
+    let path = match (&args.out, thresholds::file_path()) {
+        (Some(out), _) => out.clone(),
+        (None, Some((default_path, _))) => default_path,
+        (None, None) if args.dry_run => PathBuf::new(),
+        (None, None) => {
             return usage(
                 "no file to write: P2P_ALLREDUCE_THRESHOLDS is `none` and no --out was given",
-            );
+            )
         }
-        return tune_all(args, &worlds, real, args.out.clone().unwrap_or_default());
     };
-    tune_all(
-        args,
-        &worlds,
-        real,
-        args.out.clone().unwrap_or(default_path),
-    )
+    tune_all(args, &worlds, real, path)
 }
 
 fn tune_all(args: &TuneArgs, worlds: &[usize], real: bool, path: PathBuf) -> ExitCode {

@@ -236,6 +236,25 @@ unsafe fn norm_row<E: Element, const N: usize, const FROM: bool>(
     sync_threads();
 }
 
+/// Strides 1..16 of the pairwise tree inside one warp: lane `lane` holds
+/// item `k` (of `n`; lane 0 holds a multiple of 32); at stride s, a lane
+/// that is a multiple of 2s adds the lane s above it when item k + s
+/// exists. Lane 0 returns the sum of its 32 items in the tree's order.
+/// Every lane of the warp must call it together.
+#[inline(always)]
+fn warp_tree(v: f32, lane: u64, k: u64, n: u64) -> f32 {
+    let mut v = v;
+    let mut s = 1u64;
+    while s < 32 {
+        let other = shfl_down(v, s as u32);
+        if lane % (2 * s) == 0 && k + s < n {
+            v += other;
+        }
+        s *= 2;
+    }
+    v
+}
+
 /// The pairwise tree over the `chunks` partials in `sh`, as docs/numerics.md
 /// defines it: at stride s = 1, 2, 4, ..., partial k (a multiple of 2s)
 /// adds partial k + s when k + s < chunks; the result is partial 0's. The
@@ -261,19 +280,12 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
     while slot < slots {
         let k = slot * nthreads + tid;
         // SAFETY: k < chunks is inside `sh`; others read nothing.
-        let mut v = if k < chunks {
+        let v = if k < chunks {
             unsafe { read_volatile(sh.add(k as usize)) }
         } else {
             0.0
         };
-        let mut s = 1u64;
-        while s < 32 {
-            let other = shfl_down(v, s as u32);
-            if lane % (2 * s) == 0 && k + s < chunks {
-                v += other;
-            }
-            s *= 2;
-        }
+        let v = warp_tree(v, lane, k, chunks);
         if lane == 0 && k < chunks {
             // SAFETY: the group's first word, read above by this lane only.
             unsafe { write_volatile(sh.add(k as usize), v) };
@@ -290,20 +302,12 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
         while j < 4 {
             let g = 32 * j as u64 + lane;
             // SAFETY: g < groups: word 32 g < chunks is inside `sh`.
-            let mut v = if g < groups {
+            let v = if g < groups {
                 unsafe { read_volatile(sh.add(32 * g as usize)) }
             } else {
                 0.0
             };
-            let mut s = 1u64;
-            while s < 32 {
-                let other = shfl_down(v, s as u32);
-                if lane % (2 * s) == 0 && g + s < groups {
-                    v += other;
-                }
-                s *= 2;
-            }
-            a[j] = v;
+            a[j] = warp_tree(v, lane, g, groups);
             j += 1;
         }
         if lane == 0 {
