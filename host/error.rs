@@ -115,6 +115,12 @@ pub enum Error {
     Poisoned(String),
 
     #[error(
+        "rank {rank}: pointer {ptr:#x} lies in no buffer registered with register_buffer: register the buffer \
+         on every rank first, or use the staged allreduce"
+    )]
+    NotRegistered { rank: usize, ptr: u64 },
+
+    #[error(
         "these registered buffers belong to another group (their tables name that group's scratch and \
          signals): allocate them with alloc_registered on the group that runs the allreduce"
     )]

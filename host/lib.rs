@@ -55,6 +55,7 @@ pub mod measure;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod peer_group;
+mod peer_tables;
 pub mod plan;
 pub mod process_group;
 pub mod ptx;

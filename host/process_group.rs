@@ -2,22 +2,22 @@
 //! handles (see [`crate::ipc`]); each rank launches the real-rank kernel
 //! entries on its own stream, like a [`crate::PeerGroup`] rank.
 
-use crate::abi::{Algorithm, Dtype, RankTable, MAX_RANKS};
-use crate::checks::{check_aligned, check_world, count_of};
+use crate::abi::{Algorithm, Dtype, MAX_RANKS};
+use crate::checks::{check_world, count_of};
 use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
 use crate::exchange::Exchange;
-use crate::ipc::{self, HANDLE};
+use crate::ipc;
 use crate::launch::Ranks;
+use crate::peer_tables::PeerTables;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::thresholds::{self, Thresholds};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::{Arc, Mutex};
 
-/// How many allreduces one `ProcessGroup` can have captured in graphs.
-pub const GRAPH_SLOTS: usize = 4096;
+pub use crate::peer_tables::TABLE_SLOTS;
 
 /// This process's rank of a group formed over CUDA IPC.
 ///
@@ -47,13 +47,8 @@ pub struct ProcessGroup {
     core: Collective,
     ctx: Arc<CudaContext>,
     _opened: Vec<IpcMapping>,
-    /// Host copy of the staged table: the scratch pointers of every rank.
-    host_table: RankTable,
-    /// Pointer tables for allreduces captured in CUDA graphs, allocated up
-    /// front (allocation is not allowed during capture) and zeroed: a kernel
-    /// that finds a null input pointer reports `Error::Unregistered`.
-    graph_slots: DeviceAlloc,
-    graph: Mutex<GraphState>,
+    /// Zero-copy tables: captured allreduces and registered buffers.
+    tables: Mutex<PeerTables>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -66,22 +61,6 @@ impl std::fmt::Debug for ProcessGroup {
             .field("config", &self.core.config)
             .finish()
     }
-}
-
-/// Captured allreduces waiting for `register_captured`, and peer buffers
-/// opened for earlier ones.
-#[derive(Default)]
-struct GraphState {
-    used: usize,
-    pending: Vec<Pending>,
-    opened: Vec<(usize, [u8; HANDLE], IpcMapping)>,
-}
-
-struct Pending {
-    slot: usize,
-    input: u64,
-    handle: [u8; HANDLE],
-    offset: u64,
 }
 
 /// Every rank must pick the same algorithm for the same call, so every
@@ -136,7 +115,7 @@ impl ProcessGroup {
             staging,
             DeviceAlloc::from_value(ctx, &rv.table)?,
         )?;
-        let graph_slots = DeviceAlloc::zeroed(ctx, GRAPH_SLOTS * std::mem::size_of::<RankTable>())?;
+        let tables = PeerTables::new(ctx, rank, world, rv.table)?;
         Ok(ProcessGroup {
             rank,
             core: Collective::new(
@@ -149,9 +128,7 @@ impl ProcessGroup {
             ),
             ctx: ctx.clone(),
             _opened: rv.opened,
-            host_table: rv.table,
-            graph_slots,
-            graph: Mutex::new(GraphState::default()),
+            tables: Mutex::new(tables),
         })
     }
 
@@ -358,96 +335,95 @@ impl ProcessGroup {
                 "allreduce_in_graph needs a stream that is capturing a CUDA graph; use allreduce outside capture".into(),
             ));
         }
-        check_aligned("input", self.rank, input)?;
-        let (base, _) = driver::address_range(&self.ctx, input)?;
-        let handle = driver::ipc_export(&self.ctx, base)?;
-        let mut g = self.graph.lock().unwrap_or_else(|p| p.into_inner());
-        if g.used == GRAPH_SLOTS {
-            return Err(Error::Config(format!(
-                "more than {GRAPH_SLOTS} allreduces captured by one ProcessGroup"
-            )));
-        }
-        let slot = g.used;
-        let table = self.graph_slots.ptr() + (slot * std::mem::size_of::<RankTable>()) as u64;
         let mut o = [0u64; MAX_RANKS];
         o[self.rank] = output;
-        // SAFETY: the slot lies inside `graph_slots` and is filled by
-        // register_captured before a replay can read it (a null input is
-        // reported by the kernel); input and output are the caller's contract.
-        let used = unsafe {
-            self.core
-                .zero_copy(&[stream], dtype, count, &[table], &o, algo)?
-        };
-        g.used += 1;
-        g.pending.push(Pending {
-            slot,
-            input,
-            handle,
-            offset: input - base,
-        });
-        Ok(used)
+        let bytes = (count * dtype.size()) as u64;
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables.capture(input, bytes, |table| {
+            // SAFETY: the table is a zero slot that register_captured fills
+            // before a replay can read it (a null input is reported by the
+            // kernel); input and output are the caller's contract.
+            unsafe {
+                self.core
+                    .zero_copy(&[stream], dtype, count, &[table], &o, algo)
+            }
+        })
     }
 
+    /// Fills the pointer tables of every allreduce captured (by
+    /// [`Self::allreduce_in_graph`]) since the last call, after exchanging
+    /// the IPC handles of their inputs through `exchange`: a collective call,
+    /// made by every rank after capture and before the first replay. Returns
+    /// how many it registered.
     pub fn register_captured(&self, exchange: &dyn Exchange) -> Result<usize> {
-        let mut g = self.graph.lock().unwrap_or_else(|p| p.into_inner());
-        let mut mine = Vec::with_capacity(g.pending.len() * (HANDLE + 8));
-        for p in &g.pending {
-            mine.extend_from_slice(&p.handle);
-            mine.extend_from_slice(&p.offset.to_le_bytes());
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables.register_captured(exchange)
+    }
+
+    /// Registers this rank's buffer at `ptr` (`bytes` bytes, 16-byte aligned,
+    /// from plain `cuMemAlloc`) with the other ranks' buffers, for
+    /// zero-copy eager allreduces ([`Self::allreduce_registered_raw`]): a
+    /// collective call, every rank registering its own buffer in the same
+    /// order. The group maps the peers' buffers until it is dropped.
+    ///
+    /// # Safety
+    /// The buffer must stay allocated as long as the group may run an
+    /// allreduce on it.
+    pub unsafe fn register_buffer(
+        &self,
+        exchange: &dyn Exchange,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<usize> {
+        self.core.ensure_ok()?;
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables.register_buffer(exchange, ptr, bytes as u64)
+    }
+
+    /// Whether `ptr` lies inside a buffer registered by [`Self::register_buffer`].
+    pub fn is_registered(&self, ptr: u64) -> bool {
+        let tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables.is_registered(ptr)
+    }
+
+    /// Zero-copy allreduce of `count` elements at `input`, which lies inside
+    /// a buffer registered by [`Self::register_buffer`] at the same offset
+    /// on every rank: peers read it where it is, with no staging copy.
+    /// `Error::NotRegistered` for any other pointer. `output` must not
+    /// overlap any rank's input (use a separate buffer and copy back for an
+    /// in-place result: when this rank's kernel has finished, the peers have
+    /// finished reading its input). Not chunked: a message larger than
+    /// `Config::max_bytes` is refused for the algorithms that need scratch.
+    ///
+    /// # Safety
+    /// `input` must be valid for reads and `output` for writes of `count`
+    /// elements of `dtype` until the work on `stream` completes, and no
+    /// rank may write its registered input while an allreduce reads it.
+    pub unsafe fn allreduce_registered_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        count: usize,
+        input: u64,
+        output: u64,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.core.ensure_ok()?;
+        let capturing = driver::is_capturing(stream)?;
+        let bytes = (count * dtype.size()) as u64;
+        let table = {
+            let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+            tables.registered_table(input, bytes, capturing)?
+        };
+        let mut o = [0u64; MAX_RANKS];
+        o[self.rank] = output;
+        // SAFETY: the table names every rank's registered buffer at this
+        // offset, inside the smallest one registered (checked); the caller
+        // keeps input and output valid.
+        unsafe {
+            self.core
+                .zero_copy(&[stream], dtype, count, &[table], &o, algo)
         }
-        let all = exchange.all_gather(&mine)?;
-        for (r, b) in all.iter().enumerate() {
-            if b.len() != mine.len() {
-                return Err(Error::GroupMismatch {
-                    rank: self.rank,
-                    other: r,
-                    what: format!(
-                        "it captured {} allreduces, this rank {}",
-                        b.len() / (HANDLE + 8),
-                        g.pending.len()
-                    ),
-                });
-            }
-        }
-        let pending = std::mem::take(&mut g.pending);
-        let n = pending.len();
-        for (i, p) in pending.iter().enumerate() {
-            let mut t = RankTable {
-                inputs: [0; MAX_RANKS],
-                ..self.host_table
-            };
-            for (r, b) in all.iter().enumerate() {
-                if r == self.rank {
-                    t.inputs[r] = p.input;
-                    continue;
-                }
-                let rec = &b[i * (HANDLE + 8)..(i + 1) * (HANDLE + 8)];
-                let mut handle = [0u8; HANDLE];
-                handle.copy_from_slice(&rec[..HANDLE]);
-                let offset = u64::from_le_bytes(rec[HANDLE..].try_into().unwrap_or_default());
-                let base = match g.opened.iter().find(|(pr, h, _)| *pr == r && *h == handle) {
-                    Some((_, _, o)) => o.ptr(),
-                    None => {
-                        let o = IpcMapping::open(&self.ctx, &handle)?;
-                        let ptr = o.ptr();
-                        g.opened.push((r, handle, o));
-                        ptr
-                    }
-                };
-                t.inputs[r] = base + offset;
-            }
-            let off = p.slot * std::mem::size_of::<RankTable>();
-            // SAFETY: the slot lies inside `graph_slots` (a live allocation
-            // of this context); RankTable is plain data.
-            unsafe {
-                driver::write_at(
-                    &self.ctx,
-                    self.graph_slots.ptr() + off as u64,
-                    std::slice::from_ref(&t),
-                )?
-            };
-        }
-        Ok(n)
     }
 
     /// Reports an error a kernel of this group has recorded so far (a peer

@@ -1788,10 +1788,96 @@ fn ipc_child(rank: usize) -> i32 {
                 }
             }
         }
+        // Registered (eager, zero-copy) buffers: every rank registers one
+        // buffer; allreduces at two offsets and with every algorithm read
+        // the peers' buffers where they are. A pointer outside it and a
+        // message running past it are typed errors.
+        let rlen = 2 * glen + 4096;
+        let reg = driver::DeviceAlloc::zeroed(&ctx, rlen * 4).map_err(|e| e.to_string())?;
+        // SAFETY: `reg` outlives the group's use of it (dropped after the
+        // last allreduce below has been checked).
+        unsafe { group.register_buffer(&ex, reg.ptr(), rlen * 4) }.map_err(|e| e.to_string())?;
+        let mut registered = 0;
+        for (k, &at) in [0usize, 4096].iter().enumerate() {
+            for (j, algo) in Algorithm::ALL.into_iter().enumerate() {
+                let seed = 2000 + (k * 10 + j) as u64;
+                let inputs = values::adversarial_inputs(Dtype::F32, world, glen, seed, j % 2 == 0);
+                let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+                let want = reference::allreduce_bits(Dtype::F32, &refs);
+                // SAFETY: `at + glen` f32 lie inside `reg` (rlen elements).
+                unsafe { driver::write_at(&ctx, reg.ptr() + (at * 4) as u64, &inputs[rank]) }
+                    .map_err(|e| e.to_string())?;
+                gout1
+                    .write(&vec![poison::<f32>().to_bits(); glen])
+                    .map_err(|e| e.to_string())?;
+                // SAFETY: input inside `reg`, output `gout1` of glen f32; both
+                // live until the check below has waited for the stream.
+                unsafe {
+                    group.allreduce_registered_raw(
+                        &stream,
+                        Dtype::F32,
+                        glen,
+                        reg.ptr() + (at * 4) as u64,
+                        gout1.ptr(),
+                        algo.into(),
+                    )
+                }
+                .map_err(|e| format!("registered {algo:?} at {at}: {e}"))?;
+                group
+                    .check(&stream)
+                    .map_err(|e| format!("registered {algo:?} at {at}: {e}"))?;
+                let mut got = vec![0u32; glen];
+                gout1.read(&mut got).map_err(|e| e.to_string())?;
+                if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, &got, &want) {
+                    return Err(format!(
+                        "registered {algo:?} at {at}: element {i}: got {a:#x} want {b:#x}"
+                    ));
+                }
+                registered += 1;
+            }
+        }
+        // SAFETY: the pointers are live (gin, reg); the calls are refused
+        // before any work is enqueued.
+        match unsafe {
+            group.allreduce_registered_raw(
+                &stream,
+                Dtype::F32,
+                16,
+                gin.ptr(),
+                gout1.ptr(),
+                AlgoChoice::Auto,
+            )
+        } {
+            Err(Error::NotRegistered { .. }) => {}
+            other => {
+                return Err(format!(
+                    "unregistered input: expected NotRegistered, got {other:?}"
+                ))
+            }
+        }
+        // SAFETY: as above.
+        match unsafe {
+            group.allreduce_registered_raw(
+                &stream,
+                Dtype::F32,
+                glen,
+                reg.ptr() + ((rlen - 16) * 4) as u64,
+                gout1.ptr(),
+                AlgoChoice::Auto,
+            )
+        } {
+            Err(Error::BufferTooSmall { .. }) => {}
+            other => {
+                return Err(format!(
+                    "past the registered buffer: expected BufferTooSmall, got {other:?}"
+                ))
+            }
+        }
         Ok(format!(
             "link {:?}: {done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32); \
              checked mode accepts agreeing ranks and refuses a length mismatch; \
-             graph-captured zero-copy allreduces: Unregistered before register_captured, 20 replays bit-exact after",
+             graph-captured zero-copy allreduces: Unregistered before register_captured, 20 replays bit-exact after; \
+             {registered} registered (eager zero-copy) allreduces bit-exact, unregistered and overlong inputs refused",
             group.link()
         ))
     };

@@ -1,0 +1,346 @@
+//! Zero-copy pointer tables of a [`crate::ProcessGroup`]: which peer
+//! allocation each zero-copy allreduce reads, learnt by exchanging CUDA IPC
+//! handles of the users' own buffers.
+//!
+//! Two ways a user buffer becomes readable by the peers:
+//! - **captured**: an allreduce captured in a CUDA graph takes a table slot
+//!   that is still zero (a replay before registration is reported as
+//!   `Error::Unregistered`); `register_captured` fills every pending slot;
+//! - **registered**: `register_buffer` exchanges one buffer per rank up
+//!   front; an eager allreduce whose input lies inside it gets a table for
+//!   its offset (made once per offset, outside capture).
+//!
+//! Invariants:
+//! - every table lives in `slots` (allocated up front, zeroed), one
+//!   `RankTable` each, and is written only while no kernel can read it
+//!   (a fresh slot) or before the first replay (captured slots);
+//! - each peer allocation is opened once per (peer, handle) and stays mapped
+//!   as long as the group lives, so a table never names unmapped memory;
+//! - a registered range's `common` is the smallest length any rank
+//!   registered: an allreduce at offset `o` of `n` bytes is allowed only if
+//!   `o + n <= common`, so a peer read stays inside every rank's buffer even
+//!   when the ranks disagree about the call.
+
+use crate::abi::{RankTable, MAX_RANKS};
+use crate::checks::check_aligned;
+use crate::driver::{self, DeviceAlloc, IpcMapping};
+use crate::error::{Error, Result};
+use crate::exchange::Exchange;
+use crate::ipc::HANDLE;
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
+
+/// How many zero-copy tables (captured allreduces plus registered offsets)
+/// one `ProcessGroup` can hold.
+pub const TABLE_SLOTS: usize = 4096;
+
+/// One record of an exchange: IPC handle of the allocation, offset of the
+/// buffer inside it, bytes of the buffer.
+const RECORD: usize = HANDLE + 16;
+
+pub(crate) struct PeerTables {
+    ctx: Arc<CudaContext>,
+    rank: usize,
+    world: usize,
+    /// The staged table: scratch and signals every zero-copy table copies.
+    base: RankTable,
+    slots: DeviceAlloc,
+    used: usize,
+    pending: Vec<Pending>,
+    registered: Vec<Registered>,
+    opened: Vec<(usize, [u8; HANDLE], IpcMapping)>,
+}
+
+/// A captured allreduce waiting for `register_captured`.
+struct Pending {
+    slot: usize,
+    input: u64,
+    record: [u8; RECORD],
+}
+
+/// A buffer registered by every rank with `register_buffer`.
+struct Registered {
+    /// This rank's buffer.
+    start: u64,
+    /// Every rank's buffer, mapped into this context (this rank's is `start`).
+    peers: [u64; MAX_RANKS],
+    /// The smallest length any rank registered.
+    common: u64,
+    /// Tables made so far: (offset, slot).
+    tables: Vec<(u64, usize)>,
+}
+
+impl PeerTables {
+    pub(crate) fn new(
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        world: usize,
+        base: RankTable,
+    ) -> Result<Self> {
+        Ok(PeerTables {
+            ctx: ctx.clone(),
+            rank,
+            world,
+            base,
+            slots: DeviceAlloc::zeroed(ctx, TABLE_SLOTS * std::mem::size_of::<RankTable>())?,
+            used: 0,
+            pending: Vec::new(),
+            registered: Vec::new(),
+            opened: Vec::new(),
+        })
+    }
+
+    fn slot_ptr(&self, slot: usize) -> u64 {
+        self.slots.ptr() + (slot * std::mem::size_of::<RankTable>()) as u64
+    }
+
+    fn take_slot(&mut self) -> Result<usize> {
+        if self.used == TABLE_SLOTS {
+            return Err(Error::Config(format!(
+                "this ProcessGroup holds {TABLE_SLOTS} zero-copy tables (captured allreduces and registered \
+                 offsets) already: create a new group, or use fewer distinct offsets into registered buffers"
+            )));
+        }
+        self.used += 1;
+        Ok(self.used - 1)
+    }
+
+    /// The exchange record of the user buffer `ptr` of `bytes` bytes:
+    /// IPC handle of its allocation, offset, length.
+    fn record(&self, what: &'static str, ptr: u64, bytes: u64) -> Result<[u8; RECORD]> {
+        check_aligned(what, self.rank, ptr)?;
+        let (base, size) = driver::address_range(&self.ctx, ptr)?;
+        let offset = ptr - base;
+        if offset + bytes > size as u64 {
+            return Err(Error::BufferTooSmall {
+                what,
+                rank: self.rank,
+                len: (size as u64 - offset) as usize,
+                need: bytes as usize,
+            });
+        }
+        let handle = driver::ipc_export(&self.ctx, base)?;
+        let mut rec = [0u8; RECORD];
+        rec[..HANDLE].copy_from_slice(&handle);
+        rec[HANDLE..HANDLE + 8].copy_from_slice(&offset.to_le_bytes());
+        rec[HANDLE + 8..].copy_from_slice(&bytes.to_le_bytes());
+        Ok(rec)
+    }
+
+    /// Maps rank `peer`'s buffer described by `rec` (opening its allocation
+    /// once) and returns its address here, with its length.
+    fn open(&mut self, peer: usize, rec: &[u8]) -> Result<(u64, u64)> {
+        let malformed = || Error::Rendezvous(format!("rank {peer} sent a malformed buffer record"));
+        let handle: [u8; HANDLE] = rec
+            .get(..HANDLE)
+            .and_then(|h| h.try_into().ok())
+            .ok_or_else(malformed)?;
+        let word = |at: usize| -> Result<u64> {
+            let b = rec.get(at..at + 8).ok_or_else(malformed)?;
+            Ok(u64::from_le_bytes(b.try_into().map_err(|_| malformed())?))
+        };
+        let (offset, bytes) = (word(HANDLE)?, word(HANDLE + 8)?);
+        let base = match self
+            .opened
+            .iter()
+            .find(|(r, h, _)| *r == peer && *h == handle)
+        {
+            Some((_, _, m)) => m.ptr(),
+            None => {
+                let m = IpcMapping::open(&self.ctx, &handle)?;
+                let ptr = m.ptr();
+                self.opened.push((peer, handle, m));
+                ptr
+            }
+        };
+        Ok((base + offset, bytes))
+    }
+
+    /// Every rank's records, each checked to hold `n` records.
+    fn gather(&self, exchange: &dyn Exchange, mine: &[u8], what: &str) -> Result<Vec<Vec<u8>>> {
+        let all = exchange.all_gather(mine)?;
+        if all.len() != self.world {
+            return Err(Error::Rendezvous(format!(
+                "the exchange returned {} records for a group of {} ranks",
+                all.len(),
+                self.world
+            )));
+        }
+        for (r, b) in all.iter().enumerate() {
+            if b.len() != mine.len() {
+                return Err(Error::GroupMismatch {
+                    rank: self.rank,
+                    other: r,
+                    what: format!(
+                        "it {what} {}, this rank {}",
+                        b.len() / RECORD,
+                        mine.len() / RECORD
+                    ),
+                });
+            }
+        }
+        Ok(all)
+    }
+
+    /// Writes `table` into `slot`.
+    fn write(&self, slot: usize, table: &RankTable) -> Result<()> {
+        // SAFETY: the slot lies inside `slots`, a live allocation of this
+        // context; RankTable is plain data. No kernel reads the slot yet.
+        unsafe { driver::write_at(&self.ctx, self.slot_ptr(slot), std::slice::from_ref(table)) }
+    }
+
+    /// Captures an allreduce reading `input` (`bytes` bytes): `launch` gets
+    /// the device address of a zero slot; the slot is kept (pending
+    /// `register_captured`) only if the launch succeeds.
+    pub(crate) fn capture<T>(
+        &mut self,
+        input: u64,
+        bytes: u64,
+        launch: impl FnOnce(u64) -> Result<T>,
+    ) -> Result<T> {
+        let record = self.record("input", input, bytes)?;
+        if self.used == TABLE_SLOTS {
+            self.take_slot()?;
+        }
+        let out = launch(self.slot_ptr(self.used))?;
+        let slot = self.take_slot()?;
+        self.pending.push(Pending {
+            slot,
+            input,
+            record,
+        });
+        Ok(out)
+    }
+
+    /// Fills the slots of every allreduce captured since the last call, after
+    /// exchanging their buffers' handles. Returns how many.
+    pub(crate) fn register_captured(&mut self, exchange: &dyn Exchange) -> Result<usize> {
+        let mine: Vec<u8> = self.pending.iter().flat_map(|p| p.record).collect();
+        let all = self.gather(exchange, &mine, "captured allreduces:")?;
+        for (i, p) in self.pending.iter().enumerate() {
+            let need = &p.record[HANDLE + 8..];
+            for (r, b) in all.iter().enumerate() {
+                if &b[(i + 1) * RECORD - 8..(i + 1) * RECORD] != need {
+                    return Err(Error::GroupMismatch {
+                        rank: self.rank,
+                        other: r,
+                        what: format!(
+                            "its captured allreduce {i} reads a different number of bytes"
+                        ),
+                    });
+                }
+            }
+        }
+        let pending = std::mem::take(&mut self.pending);
+        for (i, p) in pending.iter().enumerate() {
+            let mut t = RankTable {
+                inputs: [0; MAX_RANKS],
+                ..self.base
+            };
+            for (r, b) in all.iter().enumerate() {
+                if r == self.rank {
+                    t.inputs[r] = p.input;
+                    continue;
+                }
+                let (ptr, _) = self.open(r, &b[i * RECORD..(i + 1) * RECORD])?;
+                t.inputs[r] = ptr;
+            }
+            self.write(p.slot, &t)?;
+        }
+        Ok(pending.len())
+    }
+
+    /// Registers this rank's buffer `ptr` of `bytes` bytes with every other
+    /// rank's (a collective call). Returns the buffer's index.
+    pub(crate) fn register_buffer(
+        &mut self,
+        exchange: &dyn Exchange,
+        ptr: u64,
+        bytes: u64,
+    ) -> Result<usize> {
+        if !self.pending.is_empty() {
+            return Err(Error::Config(
+                "register_buffer while captured allreduces wait for register_captured: register them first".into(),
+            ));
+        }
+        let mine = self.record("registered buffer", ptr, bytes)?;
+        let all = self.gather(exchange, &mine, "registered buffers:")?;
+        let mut peers = [0u64; MAX_RANKS];
+        let mut common = bytes;
+        for (r, b) in all.iter().enumerate() {
+            if r == self.rank {
+                peers[r] = ptr;
+                continue;
+            }
+            let (p, n) = self.open(r, b)?;
+            peers[r] = p;
+            common = common.min(n);
+        }
+        self.registered.push(Registered {
+            start: ptr,
+            peers,
+            common,
+            tables: Vec::new(),
+        });
+        Ok(self.registered.len() - 1)
+    }
+
+    /// Whether `input` lies inside a buffer registered by `register_buffer`.
+    pub(crate) fn is_registered(&self, input: u64) -> bool {
+        self.registered
+            .iter()
+            .any(|r| input >= r.start && input < r.start + r.common.max(1))
+    }
+
+    /// The table of a zero-copy allreduce reading `bytes` bytes at `input`,
+    /// inside a registered buffer; made (a synchronous write) at the first
+    /// call for its offset, so not during capture.
+    pub(crate) fn registered_table(
+        &mut self,
+        input: u64,
+        bytes: u64,
+        capturing: bool,
+    ) -> Result<u64> {
+        let Some(i) = self
+            .registered
+            .iter()
+            .position(|r| input >= r.start && input < r.start + r.common.max(1))
+        else {
+            return Err(Error::NotRegistered {
+                rank: self.rank,
+                ptr: input,
+            });
+        };
+        let offset = input - self.registered[i].start;
+        let common = self.registered[i].common;
+        if offset + bytes > common {
+            return Err(Error::BufferTooSmall {
+                what: "registered buffer (the smallest any rank registered)",
+                rank: self.rank,
+                len: (common - offset) as usize,
+                need: bytes as usize,
+            });
+        }
+        if let Some(&(_, slot)) = self.registered[i].tables.iter().find(|(o, _)| *o == offset) {
+            return Ok(self.slot_ptr(slot));
+        }
+        if capturing {
+            return Err(Error::Config(format!(
+                "offset {offset} of a registered buffer is used for the first time during graph capture; \
+                 run it once outside capture first, or capture it with allreduce_in_graph"
+            )));
+        }
+        let slot = self.take_slot()?;
+        let r = &self.registered[i];
+        let mut t = RankTable {
+            inputs: [0; MAX_RANKS],
+            ..self.base
+        };
+        for (dst, &p) in t.inputs.iter_mut().zip(&r.peers).take(self.world) {
+            *dst = p + offset;
+        }
+        self.write(slot, &t)?;
+        self.registered[i].tables.push((offset, slot));
+        Ok(self.slot_ptr(slot))
+    }
+}

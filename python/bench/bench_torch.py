@@ -1,0 +1,162 @@
+"""Allreduce through torch, one process per GPU, all in one run: ours
+(p2p_allreduce.CustomAllreduce, zero-copy capture and staged) vs
+torch.distributed.all_reduce (NCCL) vs torch symmetric memory
+(one_shot_all_reduce, two_shot_all_reduce_), bf16, 4 KiB to 64 MiB.
+
+Method: for each size and method, a CUDA graph holding K back-to-back
+allreduces of one buffer is replayed R times; each replay is timed with
+CUDA events; the figure is the median replay time / K, in microseconds.
+Rank 0 prints a markdown table and, with --json PATH, writes the figures.
+
+    python python/bench/bench_torch.py --gpus 0,1 [--json out.json]
+
+On multi-GPU NVLink machines keep NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 set (this script sets them if unset).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import traceback
+
+SIZES = [4 << 10, 16 << 10, 42 * 1024, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+METHODS = ["ours (graph, zero-copy)", "ours (graph, staged)", "NCCL all_reduce", "symm_mem one_shot", "symm_mem two_shot"]
+
+
+def timed(torch, dev, body, k, reps, around=None):
+    """Median microseconds per op of a graph of `k` calls of body().
+    `around`: a context manager held while capturing (ours: ca.capture(),
+    which registers the captured buffers on exit, before any replay)."""
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        body()  # warm-up outside capture
+    torch.cuda.current_stream(dev).wait_stream(s)
+    torch.cuda.synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with around if around is not None else contextlib.nullcontext():
+        with torch.cuda.graph(g):
+            for _ in range(k):
+                body()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / k)
+    del g
+    return statistics.median(times)
+
+
+def worker(rank, world, gpus, port, args):
+    import torch
+    import torch.distributed as dist
+
+    import p2p_allreduce as pa
+
+    dev = torch.device("cuda", gpus[rank])
+    torch.cuda.set_device(dev)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev
+    )
+    group = dist.group.WORLD
+    ca = pa.CustomAllreduce(group, dev, max_size=max(SIZES))
+    symm = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        symm = symm_mem
+    except Exception as e:  # noqa: BLE001
+        symm_why = f"import: {e}"
+    rows = []
+    for size in SIZES:
+        n = size // 2
+        x = torch.randn(n, device=dev).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        row = {"bytes": size}
+        k = 10 if size <= (4 << 20) else 4
+        reps = 30
+
+        def ours_zero_copy():
+            return timed(torch, dev, lambda: ca.allreduce(x, out=out), k, reps, around=ca.capture())
+
+        def ours_staged():
+            return timed(torch, dev, lambda: ca.allreduce(x, out=out), k, reps)
+
+        def nccl():
+            return timed(torch, dev, lambda: dist.all_reduce(x, group=group), k, reps)
+
+        def symm_one():
+            t = symm.empty(n, dtype=torch.bfloat16, device=dev)
+            t.copy_(x)
+            symm.rendezvous(t, group.group_name)
+            return timed(torch, dev, lambda: torch.ops.symm_mem.one_shot_all_reduce(t, "sum", group.group_name), k, reps)
+
+        def symm_two():
+            t = symm.empty(n, dtype=torch.bfloat16, device=dev)
+            t.copy_(x)
+            symm.rendezvous(t, group.group_name)
+            return timed(torch, dev, lambda: torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", group.group_name), k, reps)
+
+        for name, fn in zip(METHODS, [ours_zero_copy, ours_staged, nccl, symm_one, symm_two]):
+            if name.startswith("symm") and symm is None:
+                row[name] = f"n/a ({symm_why})"
+                continue
+            try:
+                row[name] = round(fn(), 2)
+            except Exception as e:  # noqa: BLE001
+                row[name] = f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+                if rank == 0:
+                    traceback.print_exc()
+            dist.barrier()
+        row["algorithm"] = ca.choose(x)
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    ca.check()
+    if rank == 0:
+        head = "| size | " + " | ".join(METHODS) + " | our algorithm |"
+        print(head)
+        print("|" + "---|" * (len(METHODS) + 2))
+        for r in rows:
+            b = r["bytes"]
+            label = f"{b >> 20} MiB" if b >= 1 << 20 else f"{b / 1024:g} KiB"
+            cells = [f"{r[m]} us" if isinstance(r[m], float) else str(r[m]) for m in METHODS]
+            print(f"| {label} | " + " | ".join(cells) + f" | {r['algorithm']} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpus": gpus, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    dist.barrier()
+    ca.close()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", default="0,1", help="comma-separated CUDA devices, one process each")
+    p.add_argument("--json", help="write rank 0's figures here")
+    args = p.parse_args()
+    for k, v in [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")]:
+        os.environ.setdefault(k, v)
+    gpus = [int(g) for g in args.gpus.split(",")]
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(len(gpus), gpus, port, args), nprocs=len(gpus), start_method="spawn")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

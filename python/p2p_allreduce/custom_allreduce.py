@@ -1,0 +1,291 @@
+"""``CustomAllreduce``: p2p-allreduce's ProcessGroup behind the interface
+that serving engines give their custom allreduce.
+
+Three routes, picked per call:
+
+- **staged** (eager, any tensor): the input is copied into this rank's
+  staging buffer, then the kernel runs; in place or into ``out``;
+- **registered** (eager, zero-copy): the input lies inside a buffer passed to
+  ``register_buffer`` on every rank; peers read it where it is;
+- **captured** (CUDA graphs, zero-copy): inside ``with ca.capture():`` an
+  allreduce captured by ``torch.cuda.graph`` reads the captured tensor
+  itself; leaving ``capture()`` exchanges the captured buffers' IPC handles
+  (every rank, same order), so replays read the peers' tensors directly.
+  Captured outside ``capture()``, an allreduce takes the staged route, which
+  graphs replay too (one extra copy).
+
+Every route gives the same bits: the rank-order float32 sum, rounded once.
+"""
+
+import contextlib
+from typing import Callable, List, Optional
+
+from . import _native
+from .errors import UsageError
+
+#: torch dtype (as ``str(tensor.dtype)``) -> the kernels' dtype name.
+DTYPES = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
+
+#: Outputs and zero-copy inputs must start on this many bytes.
+ALIGN = 16
+
+#: On PCIe without a table from ``p2p-allreduce tune``, ``should_use`` keeps
+#: to messages this small (the built-in PCIe table is not measured).
+PCIE_UNTUNED_MAX = 512 << 10
+
+
+class TorchExchange:
+    """All-gather of bytes over a ``torch.distributed`` group (what the
+    group's setup and registration calls exchange: IPC handles, settings)."""
+
+    def __init__(self, group, device):
+        import torch.distributed as dist
+
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def __call__(self, data: bytes) -> List[bytes]:
+        import torch
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        # all_gather_object over NCCL stages through the current device.
+        with torch.cuda.device(self.device):
+            dist.all_gather_object(out, bytes(data), group=self.group)
+        return [bytes(b) for b in out]
+
+
+def _overlaps(a, b) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+class CustomAllreduce:
+    """One rank of a deterministic allreduce group; one process per GPU (or
+    several processes on one GPU).
+
+    Construct it on every rank of an initialised ``torch.distributed``
+    group (any backend: the group only carries the setup exchange)::
+
+        ca = CustomAllreduce(group=tp_group, device=torch.device("cuda", local_rank))
+        if ca.should_use(x):
+            x = ca.allreduce(x)          # in place, on the current stream
+
+    ``max_size``: staging and scratch bytes per rank; larger staged messages
+    run in chunks, and ``should_use`` says no above it. ``timeout``: seconds
+    a kernel waits for a peer before it gives up (``PeerTimeoutError`` from
+    ``check()``). ``algorithm``: "auto" (the tuned or built-in table) or one
+    of ``p2p_allreduce.algorithms()``. ``exchange``: a callable
+    ``f(bytes) -> list[bytes]`` with ``rank`` and ``world`` attributes, to
+    set up without ``torch.distributed``.
+    """
+
+    def __init__(
+        self,
+        group=None,
+        device=None,
+        *,
+        max_size: int = 8 << 20,
+        timeout: float = 10.0,
+        algorithm: str = "auto",
+        exchange: Optional[Callable[[bytes], List[bytes]]] = None,
+    ):
+        if algorithm != "auto" and algorithm not in _native.algorithms():
+            raise UsageError(f"algorithm {algorithm!r} is not 'auto' or one of {_native.algorithms()}")
+        import torch
+
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise UsageError(f"device {device} is not a CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if exchange is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise UsageError(
+                    "CustomAllreduce needs an initialised torch.distributed process group "
+                    "(torch.distributed.init_process_group, one process per GPU), or exchange="
+                )
+            exchange = TorchExchange(group if group is not None else dist.group.WORLD, device)
+        # torch must own the device's primary context before we retain it.
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.empty(0, device=device)
+        self.device = device
+        self.algorithm = algorithm
+        self._exchange = exchange
+        self._native = _native.Group(
+            exchange.rank, exchange.world, device.index, exchange, max_bytes=max_size, timeout_s=timeout
+        )
+        self._in_capture = False
+        self._registered: list = []
+        #: The route and algorithm of the last call, e.g. ("staged", "one_stage").
+        self.last_call = None
+
+    # ---- the group -------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._group().rank
+
+    @property
+    def world(self) -> int:
+        return self._group().world
+
+    @property
+    def link(self) -> str:
+        """"nvlink", "pcie" or "same_device": the link to the slowest peer."""
+        return self._group().link
+
+    @property
+    def max_size(self) -> int:
+        return self._group().max_bytes
+
+    def _group(self):
+        if self._native is None:
+            raise UsageError("this CustomAllreduce is closed")
+        return self._native
+
+    def _stream(self) -> int:
+        import torch
+
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # ---- checks ------------------------------------------------------------
+    def _kind(self, t, what: str) -> str:
+        import torch
+
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"{what} is a {type(t).__name__}, not a torch.Tensor")
+        dt = DTYPES.get(str(t.dtype))
+        if dt is None:
+            raise UsageError(f"{what} has dtype {t.dtype}; supported: torch.float32, torch.float16, torch.bfloat16")
+        if t.device.type != "cuda":
+            raise UsageError(f"{what} is on {t.device}, not a CUDA device: move it to {self.device}")
+        if t.device != self.device:
+            raise UsageError(f"{what} is on {t.device} but this rank's group is on {self.device}")
+        if not t.is_contiguous():
+            raise UsageError(f"{what} is not contiguous: pass tensor.contiguous()")
+        return dt
+
+    def should_use(self, tensor) -> bool:
+        """Whether this allreduce should go to us rather than NCCL: a
+        supported, contiguous, 16-byte aligned CUDA tensor on this rank's
+        device, at most ``max_size`` bytes, in a group of 2 ranks or more;
+        on PCIe without a tuned table (``p2p-allreduce tune``), at most
+        512 KiB."""
+        try:
+            self._kind(tensor, "tensor")
+        except UsageError:
+            return False
+        g = self._group()
+        n = tensor.nbytes
+        if g.world < 2 or n > g.max_bytes or tensor.data_ptr() % ALIGN:
+            return False
+        if g.link == "pcie" and not g.tuned and n > PCIE_UNTUNED_MAX:
+            return False
+        return True
+
+    def choose(self, tensor) -> str:
+        """The algorithm ``allreduce`` would run for ``tensor``."""
+        return self._group().choose(self._kind(tensor, "tensor"), tensor.numel(), self.algorithm)
+
+    # ---- allreduce -----------------------------------------------------------
+    def allreduce(self, tensor, out=None, *, algorithm: Optional[str] = None):
+        """Sums ``tensor`` over the ranks on the current stream, in place, or
+        into ``out`` (same dtype, shape and device). Returns the result.
+        Every rank must call it with the same dtype and element count."""
+        g = self._group()
+        dt = self._kind(tensor, "tensor")
+        if out is not None:
+            if self._kind(out, "out") != dt or out.numel() != tensor.numel():
+                raise UsageError(
+                    f"out ({out.dtype}, {out.numel()} elements) must match tensor ({tensor.dtype}, {tensor.numel()})"
+                )
+        dst = tensor if out is None else out
+        algo = algorithm or self.algorithm
+        stream = self._stream()
+        n = tensor.numel()
+        aligned_in = tensor.data_ptr() % ALIGN == 0
+        route = "staged"
+        if aligned_in and self._in_capture and g.is_capturing(stream):
+            route = "captured"
+        elif aligned_in and g.is_registered(tensor.data_ptr()):
+            route = "registered"
+        # Zero-copy outputs must not overlap the input the peers read;
+        # every output must be aligned.
+        direct = dst.data_ptr() % ALIGN == 0 and (route == "staged" or not _overlaps(dst, tensor))
+        target = dst if direct else torch_empty_like(dst)
+        call = {
+            "staged": g.allreduce,
+            "registered": g.allreduce_registered,
+            "captured": g.allreduce_in_graph,
+        }[route]
+        used = call(stream, dt, n, tensor.data_ptr(), target.data_ptr(), algo)
+        if target is not dst:
+            # When this rank's kernel is done the peers are done reading its
+            # input (End barrier, or Mid for two-stage), so copy-back is safe.
+            dst.copy_(target)
+        self.last_call = (route, used)
+        return dst
+
+    def register_buffer(self, tensor) -> None:
+        """Registers ``tensor`` (every rank its own, same size, same order):
+        a collective call. Later allreduces of tensors inside it, at the same
+        offset on every rank, are zero-copy. The group keeps the tensor
+        alive. Its memory must come from ``cudaMalloc`` (torch's default
+        allocator; not ``expandable_segments``)."""
+        self._kind(tensor, "tensor")
+        self._group().register_buffer(self._exchange, tensor.data_ptr(), tensor.nbytes)
+        self._registered.append(tensor)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Wrap ``torch.cuda.graph(...)`` in it: allreduces captured inside
+        read the captured tensors directly. On leaving, every rank
+        exchanges the captured buffers (collective), so replays may start."""
+        if self._in_capture:
+            raise UsageError("capture() is already active")
+        self._in_capture = True
+        try:
+            yield self
+        finally:
+            self._in_capture = False
+        self._group().register_captured(self._exchange)
+
+    # ---- errors and recovery ------------------------------------------------
+    def poll(self) -> None:
+        """Raises an error a kernel has recorded so far, without waiting."""
+        self._group().poll()
+
+    def check(self) -> None:
+        """Waits for the current stream, then raises an error a kernel
+        recorded (``PeerTimeoutError`` names the missing rank)."""
+        self._group().check(self._stream())
+
+    def reset(self, sync: bool = True) -> None:
+        """Clears this rank's error and signals after a timeout. Every live
+        rank must reset before the next allreduce; ``sync=True`` waits for
+        all of them through the group (use ``sync=False`` when a rank is
+        dead, and recreate the group without it)."""
+        self._group().reset()
+        if sync:
+            self._exchange(b"reset")
+
+    def close(self) -> None:
+        """Frees the group's buffers (after the device is done with them)."""
+        self._native = None
+        self._registered.clear()
+
+    def __repr__(self) -> str:
+        return f"CustomAllreduce({self._native!r}, algorithm={self.algorithm!r})"
+
+
+def torch_empty_like(t):
+    import torch
+
+    return torch.empty_like(t, memory_format=torch.contiguous_format)

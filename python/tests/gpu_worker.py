@@ -1,0 +1,273 @@
+"""What each rank runs in the GPU tests (test_gpu.py spawns the ranks).
+
+Every case poisons its outputs, feeds values spread over many binades (so a
+different summation order changes bits), and compares every output bit
+with the rank-order float32 sum computed on the CPU from every rank's input
+(each rank regenerates all inputs from seeds). A rank writes its results to
+``<outdir>/rank<r>.json``: ``[[case, error or null], ...]``.
+"""
+
+import json
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import p2p_allreduce as pa
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+# Exponent range per dtype: wide, but no sum of up to 8 ranks overflows.
+EXP = {torch.bfloat16: 60, torch.float16: 11, torch.float32: 60}
+
+
+def rank_input(rank, n, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    e = EXP[dtype]
+    mant = 1.0 + torch.rand(n, generator=g, dtype=torch.float64)
+    exp = torch.randint(-e, e, (n,), generator=g).double()
+    sign = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
+    x = (sign * mant * torch.pow(2.0, exp)).to(dtype)
+    if n > 3:
+        x[0] = -0.0  # a signed zero must come out as the sum says
+    return x
+
+
+def reference(world, n, dtype, seed):
+    acc = rank_input(0, n, dtype, seed).float()
+    for r in range(1, world):
+        acc = acc + rank_input(r, n, dtype, seed).float()
+    return acc.to(dtype)
+
+
+def poison(t):
+    t.view(BITS[t.dtype]).fill_(0x7BCD if t.element_size() == 2 else 0x7FBADBAD)
+
+
+def same_bits(got, want, what):
+    got = got.detach().cpu().reshape(-1)
+    want = want.reshape(-1)
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}")
+    bad = (got.view(BITS[got.dtype]) != want.view(BITS[want.dtype])).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise AssertionError(
+            f"{what}: {len(bad)} of {got.numel()} elements differ; first at {i}: {got[i].item()!r} vs {want[i].item()!r}"
+        )
+
+
+def expect(exc, fn, what):
+    try:
+        fn()
+    except exc:
+        return
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"{what}: expected {exc.__name__}, got {type(e).__name__}: {e}") from e
+    raise AssertionError(f"{what}: expected {exc.__name__}, nothing raised")
+
+
+class Cases:
+    def __init__(self, rank, world, device):
+        self.rank, self.world, self.dev = rank, world, device
+        self.results = []
+
+    def run(self, name, fn):
+        try:
+            fn()
+            self.results.append([name, None])
+        except Exception:  # noqa: BLE001
+            self.results.append([name, traceback.format_exc()])
+
+    def x(self, n, dtype, seed):
+        return rank_input(self.rank, n, dtype, seed).to(self.dev)
+
+    def ref(self, n, dtype, seed):
+        return reference(self.world, n, dtype, seed)
+
+
+LENGTHS = [1, 7, 8, 9, 1000, 4097, 65537, 300001]
+
+
+def correctness(c, ca):
+    stream = torch.cuda.current_stream(c.dev)
+    seed = 1
+
+    def eager():
+        nonlocal seed
+        for dtype in DTYPES:
+            for n in LENGTHS:
+                for algo in ["auto"] + (pa.algorithms() if n in (9, 4097) else []):
+                    seed += 1
+                    x = c.x(n, dtype, seed)
+                    out = torch.empty_like(x)
+                    poison(out)
+                    ca.allreduce(x, out=out, algorithm=algo)
+                    same_bits(out, c.ref(n, dtype, seed), f"staged {dtype} n={n} {algo}")
+                    same_bits(x, rank_input(c.rank, n, dtype, seed), f"input kept {dtype} n={n}")
+                seed += 1
+                x = c.x(n, dtype, seed)
+                r = ca.allreduce(x)
+                assert r is x
+                same_bits(x, c.ref(n, dtype, seed), f"in place {dtype} n={n}")
+        ca.check()
+
+    def misaligned():
+        nonlocal seed
+        for dtype in DTYPES:
+            seed += 1
+            n = 4099
+            whole = torch.empty(n + 1, dtype=dtype, device=c.dev)
+            whole[1:] = c.x(n, dtype, seed)
+            view = whole[1:]
+            assert view.data_ptr() % 16
+            ca.allreduce(view)
+            same_bits(view, c.ref(n, dtype, seed), f"misaligned view {dtype}")
+        ca.check()
+
+    def registered():
+        nonlocal seed
+        for dtype in DTYPES:
+            buf = torch.empty(1 << 19, dtype=dtype, device=c.dev)
+            ca.register_buffer(buf)
+            for n in [1, 9, 4097, 65537]:
+                for at in [0, 4096]:
+                    seed += 1
+                    buf[at : at + n] = c.x(n, dtype, seed)
+                    out = torch.empty(n, dtype=dtype, device=c.dev)
+                    poison(out)
+                    ca.allreduce(buf[at : at + n], out=out)
+                    assert ca.last_call[0] == "registered", ca.last_call
+                    same_bits(out, c.ref(n, dtype, seed), f"registered {dtype} n={n} at {at}")
+                    seed += 1
+                    buf[at : at + n] = c.x(n, dtype, seed)
+                    ca.allreduce(buf[at : at + n])
+                    same_bits(buf[at : at + n], c.ref(n, dtype, seed), f"registered in place {dtype} n={n}")
+        ca.check()
+
+    def graphs(zero_copy):
+        nonlocal seed
+        n = 65537
+        for dtype in DTYPES:
+            xa = torch.empty(n, dtype=dtype, device=c.dev)
+            xb = torch.empty(4097, dtype=dtype, device=c.dev)
+            oa = torch.empty_like(xa)
+            xa.copy_(c.x(n, dtype, 0))
+            xb.copy_(c.x(4097, dtype, 0))
+            ca.allreduce(xa, out=oa)  # warm-up outside capture
+            torch.cuda.synchronize(c.dev)
+            g = torch.cuda.CUDAGraph()
+            ctx = ca.capture() if zero_copy else _null()
+            with ctx:
+                with torch.cuda.graph(g):
+                    ca.allreduce(xa, out=oa)
+                    want = "captured" if zero_copy else "staged"
+                    assert ca.last_call[0] == want, ca.last_call
+                    ca.allreduce(xb)
+            for _ in range(4):
+                seed += 1
+                xa.copy_(c.x(n, dtype, seed))
+                xb.copy_(c.x(4097, dtype, seed + 1000))
+                poison(oa)
+                g.replay()
+                same_bits(oa, c.ref(n, dtype, seed), f"graph {dtype} out")
+                same_bits(xb, c.ref(4097, dtype, seed + 1000), f"graph {dtype} in place")
+            ca.check()
+            del g
+
+    def refusals():
+        x = torch.ones(16, device=c.dev)
+        expect(pa.UsageError, lambda: ca.allreduce(x.cpu()), "CPU tensor")
+        expect(pa.UsageError, lambda: ca.allreduce(torch.ones(4, 4, device=c.dev).t()), "non-contiguous")
+        expect(pa.UsageError, lambda: ca.allreduce(torch.ones(16, dtype=torch.int32, device=c.dev)), "int32")
+        expect(pa.UsageError, lambda: ca.allreduce(x, out=torch.empty(8, device=c.dev)), "out too short")
+        expect(pa.UsageError, lambda: ca.allreduce(x, out=torch.empty(16, dtype=torch.half, device=c.dev)), "out dtype")
+        expect(pa.UsageError, lambda: ca.allreduce(x, algorithm="fastest"), "unknown algorithm")
+        if torch.cuda.device_count() > 1:
+            other = torch.device("cuda", (c.dev.index + 1) % torch.cuda.device_count())
+            expect(pa.UsageError, lambda: ca.allreduce(torch.ones(16, device=other)), "other device")
+        assert not ca.should_use(x.cpu())
+        assert not ca.should_use(torch.ones(4, dtype=torch.int32, device=c.dev))
+        big = torch.empty(ca.max_size // 2 + 8, dtype=torch.bfloat16, device=c.dev)
+        assert not ca.should_use(big)
+        assert ca.should_use(torch.ones(2048, dtype=torch.bfloat16, device=c.dev)) == (ca.world > 1)
+        # The group still works after refused calls.
+        n = 1000
+        x = c.x(n, torch.bfloat16, 999)
+        ca.allreduce(x)
+        same_bits(x, c.ref(n, torch.bfloat16, 999), "after refusals")
+        ca.check()
+
+    c.run("eager staged, in place and out of place, all dtypes and algorithms", eager)
+    c.run("misaligned views", misaligned)
+    c.run("registered buffers (zero-copy), two offsets", registered)
+    c.run("CUDA graphs, zero-copy capture, new data each replay", lambda: graphs(True))
+    c.run("CUDA graphs, staged capture, new data each replay", lambda: graphs(False))
+    c.run("typed refusals and should_use", refusals)
+    stream.synchronize()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def timeout_case(c, ca, dead):
+    """Rank `dead` leaves; every other rank must get PeerTimeoutError naming it."""
+
+    def body():
+        x = c.x(4096, torch.bfloat16, 5)
+        t0 = time.monotonic()
+        ca.allreduce(x)
+        try:
+            ca.check()
+        except pa.PeerTimeoutError as e:
+            took = time.monotonic() - t0
+            assert dead in e.peers, f"peers {e.peers} should name rank {dead}: {e}"
+            assert e.barrier, e
+            assert took < 2.0 + 10.0, f"took {took:.1f} s for a 2 s timeout"
+            print(f"rank {c.rank}: PeerTimeoutError after {took:.2f} s: {e}", flush=True)
+        else:
+            raise AssertionError("no PeerTimeoutError with a dead peer")
+        expect(pa.P2PAllreduceError, lambda: ca.allreduce(x), "call after a timeout")
+        ca.reset(sync=False)
+        ca.poll()
+
+    c.run(f"a dead rank {dead} raises PeerTimeoutError naming it", body)
+
+
+def main(rank, world, devices, port, outdir, mode):
+    dev = torch.device("cuda", devices[rank])
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    c = Cases(rank, world, dev)
+    timeout = 2.0 if mode == "timeout" else 20.0
+    ca = None
+
+    def make():
+        nonlocal ca
+        ca = pa.CustomAllreduce(device=dev, timeout=timeout)
+
+    c.run("construct inside torch.distributed", make)
+    if ca is not None:
+        if mode == "timeout":
+            dead = world - 1
+            dist.barrier()
+            if rank == dead:
+                os._exit(0)
+            time.sleep(0.5)
+            timeout_case(c, ca, dead)
+        else:
+            correctness(c, ca)
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(c.results, f)
+    if mode == "timeout":
+        os._exit(0)  # a peer is gone: skip the collective teardown
+    dist.barrier()
+    ca = None
+    dist.destroy_process_group()

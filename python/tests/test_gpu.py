@@ -1,0 +1,93 @@
+"""GPU tests of the torch-facing package: real processes, one per rank,
+over torch.distributed (gloo carries the setup exchange).
+
+Placements: world 1; two processes on GPU 0; and, when two GPUs exist,
+world 2 across GPUs 0 and 1 (which must then run: a missing second GPU is
+never passed off as a pass). Each placement runs the correctness cases
+(gpu_worker.correctness) and a dead-rank case. Skips, with the reason,
+where torch or a GPU is missing.
+"""
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+try:
+    import torch
+    import torch.multiprocessing as mp
+
+    GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    WHY = None if GPUS else "torch sees no CUDA GPU"
+except ImportError as e:  # no torch on this machine
+    torch = None
+    GPUS = 0
+    WHY = f"torch is not installed ({e})"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, devices, port, outdir, mode):
+    import gpu_worker
+
+    gpu_worker.main(rank, world, devices, port, outdir, mode)
+
+
+def run_ranks(devices, mode):
+    world = len(devices)
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(
+            _entry, args=(world, devices, free_port(), outdir, mode), nprocs=world, start_method="spawn"
+        )
+        results = {}
+        for r in range(world):
+            path = os.path.join(outdir, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[r] = json.load(f)
+        return results
+
+
+@unittest.skipIf(WHY is not None, WHY or "")
+class GpuTests(unittest.TestCase):
+    def check(self, devices, mode, expect_ranks):
+        results = run_ranks(devices, mode)
+        self.assertEqual(sorted(results), expect_ranks, f"ranks that reported: {sorted(results)}")
+        failed = []
+        for r, cases in sorted(results.items()):
+            self.assertTrue(cases, f"rank {r} ran no case")
+            for name, err in cases:
+                print(f"  rank {r} on cuda:{devices[r]}: {'ok  ' if err is None else 'FAIL'} {name}", flush=True)
+                if err is not None:
+                    failed.append(f"rank {r}: {name}\n{err}")
+        self.assertFalse(failed, "\n".join(failed))
+
+    def test_world1(self):
+        self.check([0], "correctness", [0])
+
+    def test_two_processes_on_gpu0(self):
+        self.check([0, 0], "correctness", [0, 1])
+
+    def test_two_processes_on_gpu0_dead_rank(self):
+        self.check([0, 0], "timeout", [0])
+
+    @unittest.skipIf(GPUS < 2, f"needs 2 GPUs, torch sees {GPUS}")
+    def test_two_gpus(self):
+        self.check([0, 1], "correctness", [0, 1])
+
+    @unittest.skipIf(GPUS < 2, f"needs 2 GPUs, torch sees {GPUS}")
+    def test_two_gpus_dead_rank(self):
+        self.check([0, 1], "timeout", [0])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
