@@ -11,8 +11,10 @@ Three routes, picked per call:
   allreduce captured by ``torch.cuda.graph`` reads the captured tensor
   itself; leaving ``capture()`` exchanges the captured buffers' IPC handles
   (every rank, same order), so replays read the peers' tensors directly.
-  Captured outside ``capture()``, an allreduce takes the staged route, which
-  graphs replay too (one extra copy).
+  ``ca.capture(zero_copy=False)`` captures the staged route instead (one
+  extra copy per replay). Either way, wrap the graph capture in
+  ``ca.capture()``: it orders the group's earlier calls before the capture
+  stream's (a graph is captured on a stream of its own).
 
 Every route gives the same bits: the rank-order float32 sum, rounded once.
 """
@@ -123,6 +125,8 @@ class CustomAllreduce:
             exchange.rank, exchange.world, device.index, exchange, max_bytes=max_size, timeout_s=timeout
         )
         self._in_capture = False
+        self._zero_copy = True
+        self._last_stream: Optional[int] = None
         self._registered: list = []
         #: The route and algorithm of the last call, e.g. ("staged", "one_stage").
         self.last_call = None
@@ -212,7 +216,7 @@ class CustomAllreduce:
         n = tensor.numel()
         aligned_in = tensor.data_ptr() % ALIGN == 0
         route = "staged"
-        if aligned_in and self._in_capture and g.is_capturing(stream):
+        if aligned_in and self._in_capture and self._zero_copy and g.is_capturing(stream):
             route = "captured"
         elif aligned_in and g.is_registered(tensor.data_ptr()):
             route = "registered"
@@ -226,6 +230,7 @@ class CustomAllreduce:
             "captured": g.allreduce_in_graph,
         }[route]
         used = call(stream, dt, n, tensor.data_ptr(), target.data_ptr(), algo)
+        self._last_stream = stream
         if target is not dst:
             # When this rank's kernel is done the peers are done reading its
             # input (End barrier, or Mid for two-stage), so copy-back is safe.
@@ -244,18 +249,29 @@ class CustomAllreduce:
         self._registered.append(tensor)
 
     @contextlib.contextmanager
-    def capture(self):
-        """Wrap ``torch.cuda.graph(...)`` in it: allreduces captured inside
-        read the captured tensors directly. On leaving, every rank
-        exchanges the captured buffers (collective), so replays may start."""
+    def capture(self, zero_copy: bool = True):
+        """Wrap ``torch.cuda.graph(...)`` in it whenever the graph holds our
+        allreduces. It first waits for this group's earlier calls (a graph
+        is captured on its own stream, and the group's calls must not
+        overlap on the device). With ``zero_copy`` (the default) the
+        allreduces captured inside read the captured tensors directly, and
+        leaving exchanges the captured buffers (collective, every rank in
+        the same order), so replays may start; without it they are staged
+        (one extra copy per replay, nothing to exchange)."""
         if self._in_capture:
             raise UsageError("capture() is already active")
+        g = self._group()
+        if self._last_stream is not None:
+            g.check(self._last_stream)
+            self._last_stream = None
         self._in_capture = True
+        self._zero_copy = zero_copy
         try:
             yield self
         finally:
             self._in_capture = False
-        self._group().register_captured(self._exchange)
+        if zero_copy:
+            g.register_captured(self._exchange)
 
     # ---- errors and recovery ------------------------------------------------
     def poll(self) -> None:
@@ -265,7 +281,10 @@ class CustomAllreduce:
     def check(self) -> None:
         """Waits for the current stream, then raises an error a kernel
         recorded (``PeerTimeoutError`` names the missing rank)."""
-        self._group().check(self._stream())
+        stream = self._stream()
+        self._group().check(stream)
+        if self._last_stream == stream:
+            self._last_stream = None
 
     def reset(self, sync: bool = True) -> None:
         """Clears this rank's error and signals after a timeout. Every live

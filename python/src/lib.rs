@@ -57,6 +57,9 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
         | Error::NotRegistered { .. }
         | Error::ZoneTooSmall { .. }
         | Error::ScratchTooSmall { .. }
+        | Error::StreamSwitchInCapture
+        | Error::StreamDevice { .. }
+        | Error::SharedStream { .. }
         | Error::Config(_) => "UsageError",
         Error::RankMismatch { .. } | Error::GroupMismatch { .. } | Error::Rendezvous(_) => {
             "GroupError"
