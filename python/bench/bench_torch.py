@@ -3,9 +3,13 @@
 torch.distributed.all_reduce (NCCL) vs torch symmetric memory
 (one_shot_all_reduce, two_shot_all_reduce_), bf16, 4 KiB to 64 MiB.
 
-Method: for each size and method, a CUDA graph holding K back-to-back
-allreduces of one buffer is replayed R times; each replay is timed with
-CUDA events; the figure is the median replay time / K, in microseconds.
+Method (the same as `p2p-allreduce bench`): for each size and method, a
+CUDA graph holding K back-to-back allreduces of one buffer is replayed 3
+times untimed, then R times, each between two CUDA events; the figure is
+the median replay time / K, in microseconds. The host's launch latency
+falls inside each replay's events, so K (--per-graph, default 50) is kept
+large enough to spread it thin; compare with the Rust bench run with the
+same --per-graph.
 Rank 0 prints a markdown table and, with --json PATH, writes the figures.
 
     python python/bench/bench_torch.py --gpus 0,1 [--json out.json]
@@ -85,8 +89,7 @@ def worker(rank, world, gpus, port, args):
         x = torch.randn(n, device=dev).to(torch.bfloat16)
         out = torch.empty_like(x)
         row = {"bytes": size}
-        k = 10 if size <= (4 << 20) else 4
-        reps = 30
+        k, reps = args.per_graph, args.reps
 
         def ours_zero_copy():
             return timed(torch, dev, lambda: ca.allreduce(x, out=out), k, reps, around=ca.capture())
@@ -129,6 +132,7 @@ def worker(rank, world, gpus, port, args):
         head = "| size | " + " | ".join(METHODS) + " | our algorithm |"
         print(head)
         print("|" + "---|" * (len(METHODS) + 2))
+        print(f"per-graph {args.per_graph}, replays {args.reps}, torch {torch.__version__}")
         for r in rows:
             b = r["bytes"]
             label = f"{b >> 20} MiB" if b >= 1 << 20 else f"{b / 1024:g} KiB"
@@ -146,6 +150,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", default="0,1", help="comma-separated CUDA devices, one process each")
     p.add_argument("--json", help="write rank 0's figures here")
+    p.add_argument("--per-graph", type=int, default=50, help="allreduces captured back to back in each graph (K)")
+    p.add_argument("--reps", type=int, default=30, help="timed replays per row (R); the median is reported")
     args = p.parse_args()
     for k, v in [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")]:
         os.environ.setdefault(k, v)
