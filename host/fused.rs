@@ -188,6 +188,31 @@ impl NormPtrs {
     }
 }
 
+impl NormPtrs {
+    /// The pointers of one rank's call (a `ProcessGroup` rank), residual
+    /// updated in place.
+    pub(crate) fn one_rank(
+        rank: usize,
+        input: u64,
+        residual: u64,
+        gamma: u64,
+        normed: u64,
+    ) -> Self {
+        let at = |p: u64| {
+            let mut a = [0u64; MAX_RANKS];
+            a[rank] = p;
+            a
+        };
+        NormPtrs {
+            inputs: at(input),
+            residual: at(residual),
+            residual_out: at(residual),
+            gamma: at(gamma),
+            normed: at(normed),
+        }
+    }
+}
+
 impl Collective {
     /// Staged fused call: for each row chunk, every member copies its
     /// ranks' inputs into their staging buffers and launches.

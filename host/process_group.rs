@@ -9,6 +9,7 @@ use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
 use crate::exchange::Exchange;
+use crate::fused::{norm_shape, NormPtrs};
 use crate::ipc;
 use crate::launch::Ranks;
 use crate::peer_tables::PeerTables;
@@ -235,6 +236,86 @@ impl ProcessGroup {
         o[self.rank] = output;
         // SAFETY: forwarded from the caller.
         unsafe { self.core.staged(&[stream], dtype, count, &i, &o, algo) }
+    }
+
+    /// The fused allreduce + residual add + RMSNorm of this rank, as
+    /// [`crate::PeerGroup::allreduce_add_rmsnorm`]: `input` (rows x hidden,
+    /// hidden = `gamma.len()`) is summed over the ranks, `residual` is
+    /// updated in place to `sum + residual`, and `normed` receives its
+    /// RMSNorm times `gamma`; bits as docs/numerics.md says. Staged (inputs
+    /// are copied), any number of rows (chunked). Every rank must call it
+    /// with the same dtype, rows and hidden size.
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allreduce_add_rmsnorm<T, I, R, G, O>(
+        &self,
+        stream: &Arc<CudaStream>,
+        input: &I,
+        residual: &mut R,
+        gamma: &G,
+        eps: f32,
+        normed: &mut O,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let (rows, hidden) = norm_shape(
+            T::DTYPE,
+            std::iter::once(input.len()),
+            std::iter::once(residual.len()),
+            std::iter::once(gamma.len()),
+            std::iter::once(normed.len()),
+            eps,
+        )?;
+        let (i, _gi) = input.device_ptr(stream);
+        let (r, _gr) = residual.device_ptr_mut(stream);
+        let (g, _gg) = gamma.device_ptr(stream);
+        let (o, _go) = normed.device_ptr_mut(stream);
+        // SAFETY: live slices or views of this rank's device holding what
+        // norm_shape checked, guarded until the work is enqueued.
+        unsafe {
+            self.allreduce_add_rmsnorm_raw(stream, T::DTYPE, rows, hidden, eps, [i, r, g, o], algo)
+        }
+    }
+
+    /// [`ProcessGroup::allreduce_add_rmsnorm`] on raw device pointers
+    /// `[input, residual, gamma, normed]` of this rank's device.
+    ///
+    /// # Safety
+    /// `input` valid for reads, `residual` for reads and writes, `normed`
+    /// for writes of `rows * hidden` elements of `dtype`, `gamma` for reads
+    /// of `hidden`, until the work on `stream` completes; `normed` must not
+    /// overlap the others.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn allreduce_add_rmsnorm_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        [input, residual, gamma, normed]: [u64; 4],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        if !eps.is_finite() || eps < 0.0 {
+            return Err(Error::NormShape(format!(
+                "eps = {eps}: use a finite value >= 0"
+            )));
+        }
+        let ptrs = NormPtrs::one_rank(self.rank, input, residual, gamma, normed);
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.core
+                .add_rmsnorm_staged(&[stream], dtype, rows, hidden, eps, &ptrs, algo)
+        }
     }
 
     /// [`ProcessGroup::allreduce`] after checking, through `exchange`, that

@@ -5,3 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cargo test --release "$@"
+# The torch-facing package: wheel, install, python/tests.
+bash scripts/test-python.sh

@@ -1873,11 +1873,70 @@ fn ipc_child(rank: usize) -> i32 {
                 ))
             }
         }
+        // The fused allreduce + residual add + RMSNorm on this rank: every
+        // rank's residual out and normed rows against the oracle.
+        let mut fused = 0;
+        for (k, &(rows, hidden)) in [
+            (0usize, 7168usize),
+            (1, 7168),
+            (3, 7),
+            (64, 4096),
+            (300, 128),
+        ]
+        .iter()
+        .enumerate()
+        {
+            for (j, algo) in [AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto]
+                .into_iter()
+                .enumerate()
+            {
+                let c = NormCase {
+                    dtype: Dtype::F32,
+                    world,
+                    rows,
+                    hidden,
+                    seed: 3000 + (k * 10 + j) as u64,
+                };
+                let (x, res, gam, want) = c.data();
+                let f = |b: &[u32]| b.iter().map(|&v| f32::from_bits(v)).collect::<Vec<f32>>();
+                let count = rows * hidden;
+                let xin = stream.clone_htod(&f(&x[rank])).map_err(|e| e.to_string())?;
+                let mut rin = stream
+                    .clone_htod(&f(&res[rank]))
+                    .map_err(|e| e.to_string())?;
+                let gin = stream
+                    .clone_htod(&f(&gam[rank]))
+                    .map_err(|e| e.to_string())?;
+                let mut out = stream
+                    .clone_htod(&vec![poison::<f32>(); count])
+                    .map_err(|e| e.to_string())?;
+                let what = format!("fused rows {rows} hidden {hidden} {algo:?}");
+                group
+                    .allreduce_add_rmsnorm(&stream, &xin, &mut rin, &gin, NORM_EPS, &mut out, algo)
+                    .map_err(|e| format!("{what}: {e}"))?;
+                group.check(&stream).map_err(|e| format!("{what}: {e}"))?;
+                let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                let got_res = bits(stream.clone_dtoh(&rin).map_err(|e| e.to_string())?);
+                let got_norm = bits(stream.clone_dtoh(&out).map_err(|e| e.to_string())?);
+                for (name, g, w) in [
+                    ("residual out", &got_res, &want[rank].0),
+                    ("normed", &got_norm, &want[rank].1),
+                ] {
+                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, g, w) {
+                        return Err(format!(
+                            "{what}: {name} element {i}: got {a:#x} want {b:#x}"
+                        ));
+                    }
+                }
+                fused += 1;
+            }
+        }
         Ok(format!(
             "link {:?}: {done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32); \
              checked mode accepts agreeing ranks and refuses a length mismatch; \
              graph-captured zero-copy allreduces: Unregistered before register_captured, 20 replays bit-exact after; \
-             {registered} registered (eager zero-copy) allreduces bit-exact, unregistered and overlong inputs refused",
+             {registered} registered (eager zero-copy) allreduces bit-exact, unregistered and overlong inputs refused; \
+             {fused} fused allreduce + residual add + RMSNorm calls bit-exact",
             group.link()
         ))
     };

@@ -238,6 +238,49 @@ class CustomAllreduce:
         self.last_call = (route, used)
         return dst
 
+    def allreduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, out=None, *, algorithm: Optional[str] = None):
+        """The allreduce fused with the residual add and RMSNorm that
+        follow it in a transformer block, on the current stream:
+        ``residual <- allreduce(x) + residual`` (in place) and
+        ``out <- rmsnorm(residual) * weight``, with the exact operation
+        order of docs/numerics.md (batch-invariant, identical on every
+        rank). ``x`` and ``residual``: ``rows x hidden`` (any shape with
+        that many elements), ``weight``: ``hidden`` elements, all one dtype.
+        Returns ``(out, residual)``. "auto", "one_stage" or "two_stage".
+        Staged: ``x`` is copied; no capture needed, graphs replay it."""
+        g = self._group()
+        dt = self._kind(x, "x")
+        for t, what in ((residual, "residual"), (weight, "weight")):
+            if self._kind(t, what) != dt:
+                raise UsageError(f"{what} has dtype {t.dtype}, x {x.dtype}: use one dtype")
+        hidden = weight.numel()
+        if residual.numel() != x.numel():
+            raise UsageError(f"residual has {residual.numel()} elements, x {x.numel()}: they must match")
+        if hidden == 0 or x.numel() % hidden:
+            raise UsageError(f"x has {x.numel()} elements, not whole rows of hidden size {hidden} (weight's length)")
+        if out is None:
+            out = torch_empty_like(x)
+        elif self._kind(out, "out") != dt or out.numel() != x.numel():
+            raise UsageError(f"out ({out.dtype}, {out.numel()} elements) must match x ({x.dtype}, {x.numel()})")
+        if any(_overlaps(out, t) for t in (x, residual, weight)):
+            raise UsageError("out overlaps x, residual or weight: pass a separate output")
+        # The kernels need 16-byte aligned residual, weight and output.
+        res = residual if residual.data_ptr() % ALIGN == 0 else residual.clone()
+        w = weight if weight.data_ptr() % ALIGN == 0 else weight.clone()
+        o = out if out.data_ptr() % ALIGN == 0 else torch_empty_like(out)
+        stream = self._stream()
+        used = g.allreduce_add_rmsnorm(
+            stream, dt, x.numel() // hidden, hidden, float(eps), x.data_ptr(), res.data_ptr(), w.data_ptr(),
+            o.data_ptr(), algorithm or (self.algorithm if self.algorithm in ("one_stage", "two_stage") else "auto"),
+        )
+        self._last_stream = stream
+        if res is not residual:
+            residual.copy_(res)
+        if o is not out:
+            out.copy_(o)
+        self.last_call = ("fused", used)
+        return out, residual
+
     def register_buffer(self, tensor) -> None:
         """Registers ``tensor`` (every rank its own, same size, same order):
         a collective call. Later allreduces of tensors inside it, at the same

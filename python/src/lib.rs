@@ -57,6 +57,8 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
         | Error::NotRegistered { .. }
         | Error::ZoneTooSmall { .. }
         | Error::ScratchTooSmall { .. }
+        | Error::NormShape(_)
+        | Error::NormAlgorithm(_)
         | Error::StreamSwitchInCapture
         | Error::StreamDevice { .. }
         | Error::SharedStream { .. }
@@ -185,16 +187,15 @@ impl Group {
         Ok(())
     }
 
-    fn call(
-        &self,
-        route: Route,
-        stream: usize,
-        dtype_name: &str,
-        count: usize,
-        input: u64,
-        output: u64,
-        algo_name: &str,
-    ) -> PyResult<&'static str> {
+    fn call(&self, route: Route, c: Call<'_>) -> PyResult<&'static str> {
+        let Call {
+            stream,
+            dtype_name,
+            count,
+            input,
+            output,
+            algo_name,
+        } = c;
         let (dt, choice) = (dtype(dtype_name)?, algo(algo_name)?);
         let bytes = count
             .checked_mul(dt.size())
@@ -224,6 +225,16 @@ impl Group {
         .py()?;
         Ok(used.name())
     }
+}
+
+/// One allreduce call as Python passes it.
+struct Call<'a> {
+    stream: usize,
+    dtype_name: &'a str,
+    count: usize,
+    input: u64,
+    output: u64,
+    algo_name: &'a str,
 }
 
 #[derive(Clone, Copy)]
@@ -321,7 +332,6 @@ impl Group {
 
     /// Staged allreduce (any input pointer; `output == input` allowed).
     /// Returns the algorithm's name.
-    #[allow(clippy::too_many_arguments)]
     fn allreduce(
         &self,
         stream: usize,
@@ -331,7 +341,17 @@ impl Group {
         output: u64,
         algo: &str,
     ) -> PyResult<&'static str> {
-        self.call(Route::Staged, stream, dtype, count, input, output, algo)
+        self.call(
+            Route::Staged,
+            Call {
+                stream,
+                dtype_name: dtype,
+                count,
+                input,
+                output,
+                algo_name: algo,
+            },
+        )
     }
 
     /// Zero-copy allreduce of an input inside a registered buffer; the
@@ -345,7 +365,17 @@ impl Group {
         output: u64,
         algo: &str,
     ) -> PyResult<&'static str> {
-        self.call(Route::Registered, stream, dtype, count, input, output, algo)
+        self.call(
+            Route::Registered,
+            Call {
+                stream,
+                dtype_name: dtype,
+                count,
+                input,
+                output,
+                algo_name: algo,
+            },
+        )
     }
 
     /// Zero-copy allreduce captured in a CUDA graph, registered later by
@@ -359,7 +389,65 @@ impl Group {
         output: u64,
         algo: &str,
     ) -> PyResult<&'static str> {
-        self.call(Route::Captured, stream, dtype, count, input, output, algo)
+        self.call(
+            Route::Captured,
+            Call {
+                stream,
+                dtype_name: dtype,
+                count,
+                input,
+                output,
+                algo_name: algo,
+            },
+        )
+    }
+
+    /// The fused allreduce + residual add + RMSNorm (staged): `input` and
+    /// `residual` hold `rows * hidden` elements, `gamma` `hidden`;
+    /// `residual` is updated in place, `normed` written. Returns the
+    /// algorithm's name.
+    #[pyo3(signature = (stream, dtype, rows, hidden, eps, input, residual, gamma, normed, algo))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce_add_rmsnorm(
+        &self,
+        stream: usize,
+        dtype: &str,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        input: u64,
+        residual: u64,
+        gamma: u64,
+        normed: u64,
+        algo: &str,
+    ) -> PyResult<&'static str> {
+        let (dt, choice) = (self::dtype(dtype)?, self::algo(algo)?);
+        let bytes = rows
+            .checked_mul(hidden)
+            .and_then(|n| n.checked_mul(dt.size()))
+            .ok_or_else(|| usage("rows * hidden overflows"))?;
+        self.check_range("input", input, bytes)?;
+        self.check_range("residual", residual, bytes)?;
+        self.check_range("weight", gamma, hidden * dt.size())?;
+        self.check_range("output", normed, bytes)?;
+        let s = self.stream(stream);
+        // SAFETY: every range lies inside a live allocation of this context
+        // (checked above); the Python layer holds the tensors until the work
+        // is enqueued, checks that `normed` overlaps none of the others, and
+        // torch's allocator orders reuse after the stream's work.
+        let used = unsafe {
+            self.group.allreduce_add_rmsnorm_raw(
+                &s,
+                dt,
+                rows,
+                hidden,
+                eps,
+                [input, residual, gamma, normed],
+                choice,
+            )
+        }
+        .py()?;
+        Ok(used.name())
     }
 
     /// Registers `bytes` bytes at `ptr` with every rank's (collective).

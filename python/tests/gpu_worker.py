@@ -23,9 +23,9 @@ BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: 
 EXP = {torch.bfloat16: 60, torch.float16: 11, torch.float32: 60}
 
 
-def rank_input(rank, n, dtype, seed):
+def rank_input(rank, n, dtype, seed, exp=None):
     g = torch.Generator().manual_seed(seed * 7919 + rank)
-    e = EXP[dtype]
+    e = min(EXP[dtype], exp) if exp is not None else EXP[dtype]
     mant = 1.0 + torch.rand(n, generator=g, dtype=torch.float64)
     exp = torch.randint(-e, e, (n,), generator=g).double()
     sign = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
@@ -35,11 +35,40 @@ def rank_input(rank, n, dtype, seed):
     return x
 
 
-def reference(world, n, dtype, seed):
-    acc = rank_input(0, n, dtype, seed).float()
+def reference(world, n, dtype, seed, exp=None):
+    acc = rank_input(0, n, dtype, seed, exp).float()
     for r in range(1, world):
-        acc = acc + rank_input(r, n, dtype, seed).float()
+        acc = acc + rank_input(r, n, dtype, seed, exp).float()
     return acc.to(dtype)
+
+
+def add_rmsnorm_ref(total, residual, weight, eps, hidden):
+    """docs/numerics.md's fused op order, in CPU float32 tensor ops (each an
+    IEEE operation rounded to nearest; no scalar shortcuts)."""
+    dtype = total.dtype
+    res_out = (total.float() + residual.float()).to(dtype)
+    if total.numel() == 0:
+        return res_out, res_out.clone()
+    q = res_out.float().reshape(-1, hidden)
+    rows = q.shape[0]
+    chunks = (hidden + 7) // 8
+    sq = torch.zeros(rows, chunks * 8, dtype=torch.float32)
+    sq[:, :hidden] = q * q  # +0.0 padding leaves a sum of squares unchanged
+    sq = sq.reshape(rows, chunks, 8)
+    acc = sq[:, :, 0].clone()
+    for j in range(1, 8):
+        acc = acc + sq[:, :, j]
+    s = 1
+    while s < chunks:
+        k = torch.arange(0, chunks, 2 * s)
+        k = k[k + s < chunks]
+        acc[:, k] = acc[:, k] + acc[:, k + s]
+        s *= 2
+    ss = acc[:, 0]
+    f32 = lambda v: torch.full_like(ss, v)  # noqa: E731
+    inv = f32(1.0) / torch.sqrt(ss / f32(float(hidden)) + f32(eps))
+    normed = (q * inv[:, None]) * weight.float()[None, :]
+    return res_out, normed.to(dtype).reshape(-1)
 
 
 def poison(t):
@@ -199,8 +228,31 @@ def correctness(c, ca):
         same_bits(x, c.ref(n, torch.bfloat16, 999), "after refusals")
         ca.check()
 
+    def fused():
+        nonlocal seed
+        for dtype in DTYPES:
+            for rows, hidden in [(0, 7168), (1, 7168), (3, 7), (5, 1), (64, 4096), (17, 5120), (2, 8192), (300, 128), (7, 1000)]:
+                for algo in ["auto", "one_stage", "two_stage"]:
+                    seed += 1
+                    n = rows * hidden
+                    # Exponents within +-40: no sum of squares overflows.
+                    x = rank_input(c.rank, n, dtype, seed, exp=40).to(c.dev)
+                    res0 = rank_input(c.rank, n, dtype, seed + 50000, exp=40)
+                    w = rank_input(c.rank, hidden, dtype, seed + 90000, exp=4)
+                    residual = res0.to(c.dev)
+                    weight = w.to(c.dev)
+                    out = torch.empty_like(x)
+                    poison(out)
+                    ca.allreduce_add_rmsnorm(x.view(rows, hidden) if n else x, residual, weight, 1e-6, out=out, algorithm=algo)
+                    want_res, want_norm = add_rmsnorm_ref(reference(c.world, n, dtype, seed, 40), res0, w, 1e-6, hidden)
+                    what = f"fused {dtype} rows={rows} hidden={hidden} {algo}"
+                    same_bits(residual, want_res, what + " residual")
+                    same_bits(out, want_norm, what + " normed")
+        ca.check()
+
     c.run("eager staged, in place and out of place, all dtypes and algorithms", eager)
     c.run("misaligned views", misaligned)
+    c.run("fused allreduce + residual add + RMSNorm, every hidden size, both algorithms", fused)
     c.run("registered buffers (zero-copy), two offsets", registered)
     c.run("CUDA graphs, zero-copy capture, new data each replay", lambda: graphs(True))
     c.run("CUDA graphs, staged capture, new data each replay", lambda: graphs(False))
