@@ -8,7 +8,9 @@ with the rank-order float32 sum computed on the CPU from every rank's input
 """
 
 import json
+import math
 import os
+import struct
 import time
 import traceback
 
@@ -42,6 +44,11 @@ def reference(world, n, dtype, seed, exp=None):
     return acc.to(dtype)
 
 
+def _f32(v):
+    """`v` rounded to the nearest float32 (ties to even)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 def add_rmsnorm_ref(total, residual, weight, eps, hidden):
     """docs/numerics.md's fused op order, in CPU float32 tensor ops (each an
     IEEE operation rounded to nearest; no scalar shortcuts)."""
@@ -64,9 +71,15 @@ def add_rmsnorm_ref(total, residual, weight, eps, hidden):
         k = k[k + s < chunks]
         acc[:, k] = acc[:, k] + acc[:, k + s]
         s *= 2
-    ss = acc[:, 0]
-    f32 = lambda v: torch.full_like(ss, v)  # noqa: E731
-    inv = f32(1.0) / torch.sqrt(ss / f32(float(hidden)) + f32(eps))
+    # inv per row in Python floats: torch's CPU sqrt need not be correctly
+    # rounded (it may go through MKL's VML), IEEE's double sqrt is. Each
+    # double result rounded once to float32 is the float32 operation's
+    # result (double rounding is innocuous for + / sqrt from float32).
+    eps32 = _f32(eps)
+    inv = torch.tensor(
+        [_f32(1.0 / _f32(math.sqrt(_f32(_f32(ss / hidden) + eps32)))) for ss in acc[:, 0].tolist()],
+        dtype=torch.float32,
+    )
     normed = (q * inv[:, None]) * weight.float()[None, :]
     return res_out, normed.to(dtype).reshape(-1)
 
@@ -75,7 +88,21 @@ def poison(t):
     t.view(BITS[t.dtype]).fill_(0x7BCD if t.element_size() == 2 else 0x7FBADBAD)
 
 
+#: Mismatches of the current case. A case records them and goes on, so that
+#: every rank still launches the same sequence of collectives (a rank that
+#: left a case early would leave its peers waiting out one timeout per call).
+MISMATCHES = []
+
+
 def same_bits(got, want, what):
+    try:
+        _same_bits(got, want, what)
+    except AssertionError as e:
+        MISMATCHES.append(str(e))
+        print(f"MISMATCH {e}", flush=True)
+
+
+def _same_bits(got, want, what):
     got = got.detach().cpu().reshape(-1)
     want = want.reshape(-1)
     if got.shape != want.shape:
@@ -104,11 +131,16 @@ class Cases:
         self.results = []
 
     def run(self, name, fn):
+        MISMATCHES.clear()
+        t0 = time.monotonic()
         try:
             fn()
-            self.results.append([name, None])
+            err = None if not MISMATCHES else f"{len(MISMATCHES)} mismatches, first: {MISMATCHES[0]}"
         except Exception:  # noqa: BLE001
-            self.results.append([name, traceback.format_exc()])
+            err = traceback.format_exc()
+        self.results.append([name, err])
+        took = time.monotonic() - t0
+        print(f"rank {self.rank}: {'ok  ' if err is None else 'FAIL'} {name} ({took:.1f} s)", flush=True)
 
     def x(self, n, dtype, seed):
         return rank_input(self.rank, n, dtype, seed).to(self.dev)
@@ -289,7 +321,7 @@ def main(rank, world, devices, port, outdir, mode):
     torch.cuda.set_device(dev)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     c = Cases(rank, world, dev)
-    timeout = 2.0 if mode == "timeout" else 20.0
+    timeout = 2.0 if mode == "timeout" else 5.0
     ca = None
 
     def make():

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,12 +43,22 @@ def _entry(rank, world, devices, port, outdir, mode):
     gpu_worker.main(rank, world, devices, port, outdir, mode)
 
 
+#: Seconds a placement may take before its ranks are killed and it fails.
+DEADLINE = float(os.environ.get("P2P_TEST_DEADLINE", "240"))
+
+
 def run_ranks(devices, mode):
     world = len(devices)
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(
-            _entry, args=(world, devices, free_port(), outdir, mode), nprocs=world, start_method="spawn"
+        ctx = mp.start_processes(
+            _entry, args=(world, devices, free_port(), outdir, mode), nprocs=world, start_method="spawn", join=False
         )
+        deadline = time.monotonic() + DEADLINE
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise AssertionError(f"ranks on {devices} ({mode}) still running after {DEADLINE:.0f} s: killed")
         results = {}
         for r in range(world):
             path = os.path.join(outdir, f"rank{r}.json")
