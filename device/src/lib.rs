@@ -5,7 +5,8 @@
 //!   file per architecture), where [`cuda`] and [`kernels`] exist;
 //! - for the host, as a normal dependency of the host library, which uses the
 //!   shared ABI ([`abi`]), the element types ([`numeric`]), the reduction and
-//!   partition functions ([`reduce`]) the barrier protocol ([`barrier`]) and the flag-in-data protocol ([`ll`]).
+//!   partition functions ([`reduce`]) the barrier protocol ([`barrier`]), the flag-in-data protocol ([`ll`])
+//!   and the fused RMSNorm's tree order ([`norm_tree`]).
 #![no_std]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(
@@ -16,6 +17,7 @@
 pub mod abi;
 pub mod barrier;
 pub mod ll;
+pub mod norm_tree;
 pub mod numeric;
 pub mod reduce;
 

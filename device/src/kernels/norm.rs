@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::abi::{NormArgs, NORM_CHUNK, NORM_MAX_HIDDEN};
+use crate::norm_tree::{combine_quarters, warp_adds, QUARTERS, WARP};
 
 /// The rounded sums of pack `pi` (whole chunks only): the reduction of
 /// every rank's input in rank order, or (`FROM`) loaded from `from`, where
@@ -247,7 +248,7 @@ fn warp_tree(v: f32, lane: u64, k: u64, n: u64) -> f32 {
     let mut s = 1u64;
     while s < 32 {
         let other = shfl_down(v, s as u32);
-        if lane % (2 * s) == 0 && k + s < n {
+        if warp_adds(lane, k, n, s) {
             v += other;
         }
         s *= 2;
@@ -273,7 +274,7 @@ fn warp_tree(v: f32, lane: u64, k: u64, n: u64) -> f32 {
 unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
     let tid = thread_idx_x() as u64;
     let nthreads = block_dim_x() as u64;
-    let lane = tid % 32;
+    let lane = tid % WARP;
     // Strides 1..16: within each warp's group of 32 chunks, slot by slot.
     let slots = chunks.div_ceil(nthreads);
     let mut slot = 0;
@@ -295,15 +296,15 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
     sync_threads();
     // Strides of 32 chunks and more: groups g = 32 j + lane (j = 0..4) in
     // warp 0, whose sums sit at word 32 g.
-    let groups = chunks.div_ceil(32);
+    let groups = chunks.div_ceil(WARP);
     if tid < 32 {
-        let mut a = [0f32; 4];
+        let mut a = [0f32; QUARTERS];
         let mut j = 0;
-        while j < 4 {
-            let g = 32 * j as u64 + lane;
+        while j < QUARTERS {
+            let g = WARP * j as u64 + lane;
             // SAFETY: g < groups: word 32 g < chunks is inside `sh`.
             let v = if g < groups {
-                unsafe { read_volatile(sh.add(32 * g as usize)) }
+                unsafe { read_volatile(sh.add((WARP * g) as usize)) }
             } else {
                 0.0
             };
@@ -312,17 +313,9 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
         }
         if lane == 0 {
             // Strides of 32 and 64 groups (1024 and 2048 chunks).
-            if 32 < groups {
-                a[0] += a[1];
-            }
-            if 96 < groups {
-                a[2] += a[3];
-            }
-            if 64 < groups {
-                a[0] += a[2];
-            }
+            let total = combine_quarters(a, groups);
             // SAFETY: word 0 of `sh`.
-            unsafe { write_volatile(sh, a[0]) };
+            unsafe { write_volatile(sh, total) };
         }
     }
     sync_threads();
