@@ -3,11 +3,11 @@
 //! docs/numerics.md; the CPU oracle is `reference::add_rmsnorm_bits`.
 
 use crate::abi::{Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS, NORM_MAX_HIDDEN};
-use crate::checks::check_aligned;
+use crate::checks::{check_aligned, check_count};
 use crate::collective::{stage, Collective};
 use crate::error::{Error, Result};
 use crate::launch::Ranks;
-use crate::plan::{AlgoChoice, Config, Link};
+use crate::plan::{AlgoChoice, Config, Inputs, Link};
 use crate::ptx::{Entry, Op};
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
@@ -40,8 +40,10 @@ impl NormPlan {
     /// The plan of `rows x hidden` elements of `dtype` per rank, or the
     /// error that refuses it: `hidden` 0 with rows, or above
     /// [`NORM_MAX_HIDDEN`] (`NormShape`); a push algorithm
-    /// (`NormAlgorithm`); a row that does not fit the staging buffers
-    /// (`MessageTooLarge`), or rows that need chunks with chunking off.
+    /// (`NormAlgorithm`); staged, a row that does not fit the staging
+    /// buffers (`MessageTooLarge`), or rows that need chunks with chunking
+    /// off; zero-copy (one launch, no chunks), two-stage rows that do not
+    /// fit the scratch (`ScratchTooSmall`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
@@ -51,6 +53,7 @@ impl NormPlan {
         world: usize,
         link: Link,
         choice: AlgoChoice,
+        inputs: Inputs,
     ) -> Result<NormPlan> {
         if hidden == 0 && rows > 0 {
             return Err(Error::NormShape(format!(
@@ -77,6 +80,24 @@ impl NormPlan {
                 ))
             }
         };
+        if inputs == Inputs::ZeroCopy {
+            // One launch; only two-stage needs room (scratch) for the sums.
+            if algorithm == Algorithm::TwoStage && total > config.max_bytes {
+                return Err(Error::ScratchTooSmall {
+                    bytes: total,
+                    capacity: config.max_bytes,
+                });
+            }
+            let rows_per_step = rows.max(1);
+            return Ok(NormPlan {
+                algorithm,
+                rows,
+                hidden,
+                rows_per_step,
+                blocks: (rows_per_step.min(u32::MAX as usize) as u32)
+                    .clamp(1, config.blocks_cap(link)),
+            });
+        }
         // Staging holds the inputs and, two-stage, scratch the sums.
         let rows_per_step = config.max_bytes / row_bytes;
         if rows_per_step == 0 || (rows > rows_per_step && !config.chunking) {
@@ -213,18 +234,32 @@ impl NormPtrs {
     }
 }
 
+/// Where a fused call's inputs are read from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum NormInputs<'a> {
+    /// Copied into the staging buffers first (`p.inputs`), row chunk by
+    /// row chunk.
+    Staged,
+    /// Read where they are, through one pointer table per member (a
+    /// registered buffer or a captured one): one launch.
+    ZeroCopy(&'a [u64]),
+}
+
 impl Collective {
-    /// Staged fused call: for each row chunk, every member copies its
-    /// ranks' inputs into their staging buffers and launches.
+    /// Fused call: staged, for each row chunk every member copies its
+    /// ranks' inputs into their staging buffers and launches; zero-copy,
+    /// every member launches once with its pointer table.
     ///
     /// # Safety
-    /// For every rank r launched from this process: `p.inputs[r]` and
+    /// For every rank r launched from this process: `p.inputs[r]` (staged)
+    /// or the inputs its table names (zero-copy, every rank's) and
     /// `p.residual[r]` valid for reads, `p.residual_out[r]` and
     /// `p.normed[r]` for writes of `rows * hidden` elements of `dtype`,
     /// `p.gamma[r]` for reads of `hidden`, on that rank's device, until the
-    /// work on its stream completes.
+    /// work on its stream completes; a zero-copy table names this group's
+    /// scratch.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn add_rmsnorm_staged(
+    pub(crate) unsafe fn add_rmsnorm(
         &self,
         streams: &[&Arc<CudaStream>],
         dtype: Dtype,
@@ -232,8 +267,16 @@ impl Collective {
         hidden: usize,
         eps: f32,
         p: &NormPtrs,
+        inputs: NormInputs<'_>,
         choice: AlgoChoice,
     ) -> Result<Algorithm> {
+        let kind = match inputs {
+            NormInputs::Staged => Inputs::Staged,
+            NormInputs::ZeroCopy(tables) => {
+                check_count("pointer tables", tables.len(), self.members.len())?;
+                Inputs::ZeroCopy
+            }
+        };
         let plan = NormPlan::new(
             &self.config,
             dtype,
@@ -242,6 +285,7 @@ impl Collective {
             self.world,
             self.link,
             choice,
+            kind,
         )?;
         for member in &self.members {
             for r in member.owns(self.world) {
@@ -260,21 +304,29 @@ impl Collective {
         let threads = self.config.threads_per_block;
         for (first, n) in plan.steps() {
             let off = (first * hidden) as u64 * size;
-            for (member, stream) in self.members.iter().zip(streams) {
-                for r in member.owns(self.world) {
-                    // SAFETY: inputs[r] holds rows * hidden elements
-                    // (caller); staging holds max_bytes >= n * hidden (plan).
-                    unsafe {
-                        stage(
-                            member.staging[r],
-                            p.inputs[r],
-                            first * hidden,
-                            n * hidden,
-                            dtype.size(),
-                            stream,
-                        )?
-                    };
-                }
+            for (m, (member, stream)) in self.members.iter().zip(streams).enumerate() {
+                let table = match inputs {
+                    NormInputs::Staged => {
+                        for r in member.owns(self.world) {
+                            // SAFETY: inputs[r] holds rows * hidden elements
+                            // (caller); staging holds max_bytes >= n * hidden
+                            // (plan).
+                            unsafe {
+                                stage(
+                                    member.staging[r],
+                                    p.inputs[r],
+                                    first * hidden,
+                                    n * hidden,
+                                    dtype.size(),
+                                    stream,
+                                )?
+                            };
+                        }
+                        member.staged_table.ptr()
+                    }
+                    // One step (the plan): the table's inputs hold every row.
+                    NormInputs::ZeroCopy(tables) => tables[m],
+                };
                 let (grid_y, rank) = match member.ranks {
                     Ranks::All => (self.world as u32, 0),
                     Ranks::One(r) => (1, r as u32),
@@ -296,7 +348,7 @@ impl Collective {
                 }
                 let mut args = NormArgs {
                     base: LaunchArgs {
-                        table: member.staged_table.ptr(),
+                        table,
                         signals: self.signals,
                         count: (n * hidden) as u64,
                         timeout_ns: self.config.timeout_ns(),
@@ -315,10 +367,11 @@ impl Collective {
                     args.residual_out[r] = p.residual_out[r] + off;
                     args.gamma[r] = p.gamma[r];
                 }
-                // SAFETY: the staged table names this group's staging and
-                // scratch (each holds n * hidden elements: the plan); the
-                // other pointers are the caller's contract, offset to this
-                // chunk.
+                // SAFETY: the table names inputs of n * hidden elements
+                // (this group's staging: the plan; or the caller's zero-copy
+                // buffers) and this group's scratch (max_bytes: the plan);
+                // the other pointers are the caller's contract, offset to
+                // this chunk.
                 unsafe {
                     member.kernels.launch_norm(
                         stream,
@@ -339,7 +392,16 @@ mod tests {
     use super::*;
 
     fn plan(c: &Config, rows: usize, hidden: usize, choice: AlgoChoice) -> Result<NormPlan> {
-        NormPlan::new(c, Dtype::Bf16, rows, hidden, 2, Link::NvLink, choice)
+        NormPlan::new(
+            c,
+            Dtype::Bf16,
+            rows,
+            hidden,
+            2,
+            Link::NvLink,
+            choice,
+            Inputs::Staged,
+        )
     }
 
     #[test]
@@ -384,5 +446,46 @@ mod tests {
             plan(&no_chunks, 300, 7168, AlgoChoice::OneStage),
             Err(Error::MessageTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn zero_copy_plans_are_one_launch() {
+        let c = Config::with_max_bytes(1 << 20);
+        let zc = |rows, choice| {
+            NormPlan::new(
+                &c,
+                Dtype::Bf16,
+                rows,
+                7168,
+                2,
+                Link::NvLink,
+                choice,
+                Inputs::ZeroCopy,
+            )
+        };
+        // One-stage reads the inputs where they are: any number of rows.
+        let p = zc(300, AlgoChoice::OneStage).expect("plan");
+        assert_eq!(p.steps().collect::<Vec<_>>(), vec![(0, 300)]);
+        assert_eq!(p.blocks, c.blocks_cap(Link::NvLink));
+        // Two-stage needs the sums to fit the scratch.
+        let fits = (1 << 20) / (7168 * 2);
+        assert_eq!(
+            zc(fits, AlgoChoice::TwoStage)
+                .expect("plan")
+                .steps()
+                .count(),
+            1
+        );
+        assert!(matches!(
+            zc(fits + 1, AlgoChoice::TwoStage),
+            Err(Error::ScratchTooSmall { .. })
+        ));
+        assert_eq!(
+            zc(0, AlgoChoice::Auto)
+                .expect("plan")
+                .steps()
+                .collect::<Vec<_>>(),
+            vec![(0, 0)]
+        );
     }
 }

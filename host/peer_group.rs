@@ -8,7 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
-use crate::fused::{norm_shape, NormPtrs};
+use crate::fused::{norm_shape, NormInputs, NormPtrs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -285,8 +285,16 @@ impl PeerGroup {
         // rank's device holding what `norm_shape` checked, guarded until
         // the work is enqueued.
         unsafe {
-            self.core
-                .add_rmsnorm_staged(&refs, T::DTYPE, rows, hidden, eps, &ptrs, algo)
+            self.core.add_rmsnorm(
+                &refs,
+                T::DTYPE,
+                rows,
+                hidden,
+                eps,
+                &ptrs,
+                NormInputs::Staged,
+                algo,
+            )
         }
     }
 

@@ -9,7 +9,7 @@ use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
 use crate::exchange::Exchange;
-use crate::fused::{norm_shape, NormPtrs};
+use crate::fused::{norm_shape, NormInputs, NormPtrs};
 use crate::ipc;
 use crate::launch::Ranks;
 use crate::peer_tables::PeerTables;
@@ -313,8 +313,125 @@ impl ProcessGroup {
         let ptrs = NormPtrs::one_rank(self.rank, input, residual, gamma, normed);
         // SAFETY: forwarded from the caller.
         unsafe {
-            self.core
-                .add_rmsnorm_staged(&[stream], dtype, rows, hidden, eps, &ptrs, algo)
+            self.core.add_rmsnorm(
+                &[stream],
+                dtype,
+                rows,
+                hidden,
+                eps,
+                &ptrs,
+                NormInputs::Staged,
+                algo,
+            )
+        }
+    }
+
+    /// [`ProcessGroup::allreduce_add_rmsnorm_raw`] with zero-copy input:
+    /// `input` lies inside a buffer registered by [`Self::register_buffer`]
+    /// at the same offset on every rank, and the peers read it where it is
+    /// (no staging copy; one launch: two-stage needs the rows to fit
+    /// `Config::max_bytes`). `Error::NotRegistered` for another pointer.
+    ///
+    /// # Safety
+    /// As for [`Self::allreduce_add_rmsnorm_raw`], and no rank may write its
+    /// registered input while a call reads it; `residual` and `normed` must
+    /// not overlap the registered input.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn allreduce_add_rmsnorm_registered_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        ptrs: [u64; 4],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.core.ensure_ok()?;
+        let capturing = driver::is_capturing(stream)?;
+        let bytes = (rows * hidden * dtype.size()) as u64;
+        let table = {
+            let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+            tables.registered_table(ptrs[0], bytes, capturing)?
+        };
+        // SAFETY: the table names every rank's registered buffer at this
+        // offset, inside the smallest one registered (checked); the rest is
+        // the caller's contract.
+        unsafe { self.fused_zero_copy(stream, dtype, rows, hidden, eps, ptrs, table, algo) }
+    }
+
+    /// [`ProcessGroup::allreduce_add_rmsnorm_raw`] captured in a CUDA
+    /// graph with zero-copy input, as [`Self::allreduce_in_graph`]: the
+    /// pointer table is filled by [`Self::register_captured`] after capture.
+    ///
+    /// # Safety
+    /// As for [`Self::allreduce_in_graph`] (the input), and for
+    /// [`Self::allreduce_add_rmsnorm_raw`] (the other pointers), for as long
+    /// as the graph can be launched.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn allreduce_add_rmsnorm_in_graph(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        ptrs: [u64; 4],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        self.core.ensure_ok()?;
+        if !driver::is_capturing(stream)? {
+            return Err(Error::Config(
+                "allreduce_add_rmsnorm_in_graph needs a stream that is capturing a CUDA graph"
+                    .into(),
+            ));
+        }
+        let bytes = (rows * hidden * dtype.size()) as u64;
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables.capture(ptrs[0], bytes, |table| {
+            // SAFETY: a zero slot filled by register_captured before a
+            // replay can read it (a null input is reported by the kernel);
+            // the rest is the caller's contract.
+            unsafe { self.fused_zero_copy(stream, dtype, rows, hidden, eps, ptrs, table, algo) }
+        })
+    }
+
+    /// A zero-copy fused call through `table`.
+    ///
+    /// # Safety
+    /// `table` names every rank's input of `rows * hidden` elements and
+    /// this group's scratch; the other pointers as for
+    /// [`Self::allreduce_add_rmsnorm_raw`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn fused_zero_copy(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        [input, residual, gamma, normed]: [u64; 4],
+        table: u64,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        if !eps.is_finite() || eps < 0.0 {
+            return Err(Error::NormShape(format!(
+                "eps = {eps}: use a finite value >= 0"
+            )));
+        }
+        let ptrs = NormPtrs::one_rank(self.rank, input, residual, gamma, normed);
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.core.add_rmsnorm(
+                &[stream],
+                dtype,
+                rows,
+                hidden,
+                eps,
+                &ptrs,
+                NormInputs::ZeroCopy(&[table]),
+                algo,
+            )
         }
     }
 

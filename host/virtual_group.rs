@@ -8,7 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
-use crate::fused::{norm_shape, NormPtrs};
+use crate::fused::{norm_shape, NormInputs, NormPtrs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -244,8 +244,16 @@ impl VirtualGroup {
         // SAFETY: every pointer comes from a live slice or view holding
         // what `norm_shape` checked, guarded until the work is enqueued.
         unsafe {
-            self.core
-                .add_rmsnorm_staged(&[stream], T::DTYPE, rows, hidden, eps, &ptrs, algo)
+            self.core.add_rmsnorm(
+                &[stream],
+                T::DTYPE,
+                rows,
+                hidden,
+                eps,
+                &ptrs,
+                NormInputs::Staged,
+                algo,
+            )
         }
     }
 
@@ -293,8 +301,16 @@ impl VirtualGroup {
         // SAFETY: live buffers holding what `norm_shape` checked; inputs are
         // staged, so writing the normed rows over them is allowed.
         unsafe {
-            self.core
-                .add_rmsnorm_staged(&[stream], T::DTYPE, rows, hidden, eps, &ptrs, algo)
+            self.core.add_rmsnorm(
+                &[stream],
+                T::DTYPE,
+                rows,
+                hidden,
+                eps,
+                &ptrs,
+                NormInputs::Staged,
+                algo,
+            )
         }
     }
 

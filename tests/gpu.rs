@@ -1931,12 +1931,144 @@ fn ipc_child(rank: usize) -> i32 {
                 fused += 1;
             }
         }
+        // Fused with zero-copy input: from the registered buffer, and
+        // captured in a graph (registered after capture, new data per replay).
+        let f32s = |b: &[u32]| b.iter().map(|&v| f32::from_bits(v)).collect::<Vec<f32>>();
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let mut fused_zero_copy = 0;
+        for (k, &(rows, hidden)) in [(1usize, 7168usize), (3, 7), (5, 4096)].iter().enumerate() {
+            for (j, algo) in [AlgoChoice::OneStage, AlgoChoice::TwoStage]
+                .into_iter()
+                .enumerate()
+            {
+                let c = NormCase {
+                    dtype: Dtype::F32,
+                    world,
+                    rows,
+                    hidden,
+                    seed: 4000 + (k * 10 + j) as u64,
+                };
+                let (x, res, gam, want) = c.data();
+                let count = rows * hidden;
+                // SAFETY: count <= rlen f32 inside `reg`.
+                unsafe { driver::write_at(&ctx, reg.ptr(), &x[rank]) }
+                    .map_err(|e| e.to_string())?;
+                let rin = stream
+                    .clone_htod(&f32s(&res[rank]))
+                    .map_err(|e| e.to_string())?;
+                let gin = stream
+                    .clone_htod(&f32s(&gam[rank]))
+                    .map_err(|e| e.to_string())?;
+                let out = stream
+                    .clone_htod(&vec![poison::<f32>(); count])
+                    .map_err(|e| e.to_string())?;
+                let what = format!("registered fused rows {rows} hidden {hidden} {algo:?}");
+                {
+                    let (rp, _g1) = rin.device_ptr(&stream);
+                    let (gp, _g2) = gin.device_ptr(&stream);
+                    let (op, _g3) = out.device_ptr(&stream);
+                    // SAFETY: input inside `reg`; residual, gamma and output
+                    // live slices of count / hidden f32, checked below after
+                    // the stream is done.
+                    unsafe {
+                        group.allreduce_add_rmsnorm_registered_raw(
+                            &stream,
+                            Dtype::F32,
+                            rows,
+                            hidden,
+                            NORM_EPS,
+                            [reg.ptr(), rp, gp, op],
+                            algo,
+                        )
+                    }
+                    .map_err(|e| format!("{what}: {e}"))?;
+                }
+                group.check(&stream).map_err(|e| format!("{what}: {e}"))?;
+                let got_res = bits(stream.clone_dtoh(&rin).map_err(|e| e.to_string())?);
+                let got_norm = bits(stream.clone_dtoh(&out).map_err(|e| e.to_string())?);
+                for (name, g, w) in [
+                    ("residual out", &got_res, &want[rank].0),
+                    ("normed", &got_norm, &want[rank].1),
+                ] {
+                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, g, w) {
+                        return Err(format!(
+                            "{what}: {name} element {i}: got {a:#x} want {b:#x}"
+                        ));
+                    }
+                }
+                fused_zero_copy += 1;
+            }
+        }
+        {
+            let (rows, hidden) = (3usize, 7168usize);
+            let count = rows * hidden;
+            let fres = driver::DeviceAlloc::zeroed(&ctx, count * 4).map_err(|e| e.to_string())?;
+            let fgam = driver::DeviceAlloc::zeroed(&ctx, hidden * 4).map_err(|e| e.to_string())?;
+            let fout = driver::DeviceAlloc::zeroed(&ctx, count * 4).map_err(|e| e.to_string())?;
+            stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| e.to_string())?;
+            // SAFETY: gin (glen >= count f32), fres, fgam and fout outlive
+            // the graph.
+            let captured = unsafe {
+                group.allreduce_add_rmsnorm_in_graph(
+                    &stream,
+                    Dtype::F32,
+                    rows,
+                    hidden,
+                    NORM_EPS,
+                    [gin.ptr(), fres.ptr(), fgam.ptr(), fout.ptr()],
+                    AlgoChoice::Auto,
+                )
+            };
+            let graph = stream
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .map_err(|e| e.to_string())?;
+            captured.map_err(|e| format!("fused in graph: {e}"))?;
+            let graph = graph.ok_or("empty graph")?;
+            group.register_captured(&ex).map_err(|e| e.to_string())?;
+            for it in 0..3u64 {
+                let c = NormCase {
+                    dtype: Dtype::F32,
+                    world,
+                    rows,
+                    hidden,
+                    seed: 5000 + it,
+                };
+                let (x, res, gam, want) = c.data();
+                gin.write(&x[rank]).map_err(|e| e.to_string())?;
+                fres.write(&res[rank]).map_err(|e| e.to_string())?;
+                fgam.write(&gam[rank]).map_err(|e| e.to_string())?;
+                fout.write(&vec![poison::<f32>().to_bits(); count])
+                    .map_err(|e| e.to_string())?;
+                graph.launch().map_err(|e| e.to_string())?;
+                group
+                    .check(&stream)
+                    .map_err(|e| format!("fused graph replay {it}: {e}"))?;
+                let mut got_res = vec![0u32; count];
+                let mut got_norm = vec![0u32; count];
+                fres.read(&mut got_res).map_err(|e| e.to_string())?;
+                fout.read(&mut got_norm).map_err(|e| e.to_string())?;
+                for (name, g, w) in [
+                    ("residual out", &got_res, &want[rank].0),
+                    ("normed", &got_norm, &want[rank].1),
+                ] {
+                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, g, w) {
+                        return Err(format!(
+                            "fused graph replay {it}: {name} element {i}: got {a:#x} want {b:#x}"
+                        ));
+                    }
+                }
+                fused_zero_copy += 1;
+            }
+        }
         Ok(format!(
             "link {:?}: {done} allreduces bit-exact (one-stage and two-stage, chunked up to 100003 f32); \
              checked mode accepts agreeing ranks and refuses a length mismatch; \
              graph-captured zero-copy allreduces: Unregistered before register_captured, 20 replays bit-exact after; \
              {registered} registered (eager zero-copy) allreduces bit-exact, unregistered and overlong inputs refused; \
-             {fused} fused allreduce + residual add + RMSNorm calls bit-exact",
+             {fused} fused allreduce + residual add + RMSNorm calls bit-exact (staged), {fused_zero_copy} zero-copy \
+             (registered, and 3 replays of a captured one)",
             group.link()
         ))
     };

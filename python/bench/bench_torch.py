@@ -13,6 +13,7 @@ same --per-graph.
 Rank 0 prints a markdown table and, with --json PATH, writes the figures.
 
     python python/bench/bench_torch.py --gpus 0,1 [--json out.json]
+    python python/bench/bench_torch.py --gpus 0,1 --fused   # rows x 7168: fused vs unfused
 
 On multi-GPU NVLink machines keep NCCL_NVLS_ENABLE=0 and
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 set (this script sets them if unset).
@@ -146,12 +147,94 @@ def worker(rank, world, gpus, port, args):
     dist.destroy_process_group()
 
 
+FUSED_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
+FUSED_METHODS = [
+    "ours fused (zero-copy)",
+    "ours allreduce (zero-copy)",
+    "ours allreduce + torch add, rms_norm",
+    "NCCL all_reduce + torch add, rms_norm",
+]
+
+
+def fused_worker(rank, world, gpus, port, args):
+    """Rows x hidden bf16: the fused call vs the plain allreduce of the same
+    bytes vs the unfused sequences an engine runs without it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import p2p_allreduce as pa
+
+    dev = torch.device("cuda", gpus[rank])
+    torch.cuda.set_device(dev)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev
+    )
+    group = dist.group.WORLD
+    hidden = args.hidden
+    ca = pa.CustomAllreduce(group, dev, max_size=max(FUSED_ROWS) * hidden * 2)
+    eps = 1e-6
+    w = torch.randn(hidden, device=dev).to(torch.bfloat16)
+    rows_out = []
+    for rows in FUSED_ROWS:
+        x = torch.randn(rows, hidden, device=dev).to(torch.bfloat16) * 0.01
+        res = torch.randn(rows, hidden, device=dev).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        tmp = torch.empty_like(x)
+        k, reps = args.per_graph, args.reps
+        row = {"rows": rows, "hidden": hidden}
+
+        def unfused_ours():
+            ca.allreduce(x, out=tmp)
+            res.add_(tmp)
+            return F.rms_norm(res, (hidden,), w, eps)
+
+        def unfused_nccl():
+            dist.all_reduce(x, group=group)
+            res.add_(x)
+            return F.rms_norm(res, (hidden,), w, eps)
+
+        bodies = [
+            (lambda: ca.allreduce_add_rmsnorm(x, res, w, eps, out=out), ca.capture()),
+            (lambda: ca.allreduce(x, out=out), ca.capture()),
+            (unfused_ours, ca.capture()),
+            (unfused_nccl, None),
+        ]
+        for name, (body, around) in zip(FUSED_METHODS, bodies):
+            try:
+                row[name] = round(timed(torch, dev, body, k, reps, around=around), 2)
+            except Exception as e:  # noqa: BLE001
+                row[name] = f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+                if rank == 0:
+                    traceback.print_exc()
+            dist.barrier()
+        rows_out.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    ca.check()
+    if rank == 0:
+        print(f"per-graph {args.per_graph}, replays {args.reps}, torch {torch.__version__}, bf16, hidden {hidden}")
+        print("| rows | " + " | ".join(FUSED_METHODS) + " |")
+        print("|" + "---|" * (len(FUSED_METHODS) + 1))
+        for r in rows_out:
+            cells = [f"{r[m]} us" if isinstance(r[m], float) else str(r[m]) for m in FUSED_METHODS]
+            print(f"| {r['rows']} | " + " | ".join(cells) + " |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpus": gpus, "torch": torch.__version__, "rows": rows_out}, f, indent=1)
+    dist.barrier()
+    ca.close()
+    dist.destroy_process_group()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", default="0,1", help="comma-separated CUDA devices, one process each")
     p.add_argument("--json", help="write rank 0's figures here")
     p.add_argument("--per-graph", type=int, default=50, help="allreduces captured back to back in each graph (K)")
     p.add_argument("--reps", type=int, default=30, help="timed replays per row (R); the median is reported")
+    p.add_argument("--fused", action="store_true", help="rows x --hidden: the fused allreduce + add + RMSNorm instead")
+    p.add_argument("--hidden", type=int, default=7168, help="row length for --fused")
     args = p.parse_args()
     for k, v in [("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")]:
         os.environ.setdefault(k, v)
@@ -161,7 +244,8 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(len(gpus), gpus, port, args), nprocs=len(gpus), start_method="spawn")
+    fn = fused_worker if args.fused else worker
+    mp.start_processes(fn, args=(len(gpus), gpus, port, args), nprocs=len(gpus), start_method="spawn")
 
 
 if __name__ == "__main__":

@@ -247,7 +247,8 @@ class CustomAllreduce:
         rank). ``x`` and ``residual``: ``rows x hidden`` (any shape with
         that many elements), ``weight``: ``hidden`` elements, all one dtype.
         Returns ``(out, residual)``. "auto", "one_stage" or "two_stage".
-        Staged: ``x`` is copied; no capture needed, graphs replay it."""
+        Routes as ``allreduce``: zero-copy inside ``capture()`` and for
+        ``x`` inside a registered buffer, staged otherwise."""
         g = self._group()
         dt = self._kind(x, "x")
         for t, what in ((residual, "residual"), (weight, "weight")):
@@ -269,16 +270,25 @@ class CustomAllreduce:
         w = weight if weight.data_ptr() % ALIGN == 0 else weight.clone()
         o = out if out.data_ptr() % ALIGN == 0 else torch_empty_like(out)
         stream = self._stream()
+        # Zero-copy as allreduce() decides, unless the residual shares
+        # memory with the input the peers read.
+        route = "staged"
+        if x.data_ptr() % ALIGN == 0 and not _overlaps(res, x):
+            if self._in_capture and self._zero_copy and g.is_capturing(stream):
+                route = "captured"
+            elif g.is_registered(x.data_ptr()):
+                route = "registered"
+        algo = algorithm or (self.algorithm if self.algorithm in ("one_stage", "two_stage") else "auto")
         used = g.allreduce_add_rmsnorm(
-            stream, dt, x.numel() // hidden, hidden, float(eps), x.data_ptr(), res.data_ptr(), w.data_ptr(),
-            o.data_ptr(), algorithm or (self.algorithm if self.algorithm in ("one_stage", "two_stage") else "auto"),
+            route, stream, dt, x.numel() // hidden, hidden, float(eps), x.data_ptr(), res.data_ptr(), w.data_ptr(),
+            o.data_ptr(), algo,
         )
         self._last_stream = stream
         if res is not residual:
             residual.copy_(res)
         if o is not out:
             out.copy_(o)
-        self.last_call = ("fused", used)
+        self.last_call = (route, used)
         return out, residual
 
     def register_buffer(self, tensor) -> None:

@@ -402,14 +402,17 @@ impl Group {
         )
     }
 
-    /// The fused allreduce + residual add + RMSNorm (staged): `input` and
+    /// The fused allreduce + residual add + RMSNorm: `input` and
     /// `residual` hold `rows * hidden` elements, `gamma` `hidden`;
-    /// `residual` is updated in place, `normed` written. Returns the
-    /// algorithm's name.
-    #[pyo3(signature = (stream, dtype, rows, hidden, eps, input, residual, gamma, normed, algo))]
+    /// `residual` is updated in place, `normed` written. `route`: "staged",
+    /// "registered" (input inside a registered buffer) or "captured"
+    /// (zero-copy inside a graph capture); zero-copy outputs must not
+    /// overlap the input. Returns the algorithm's name.
+    #[pyo3(signature = (route, stream, dtype, rows, hidden, eps, input, residual, gamma, normed, algo))]
     #[allow(clippy::too_many_arguments)]
     fn allreduce_add_rmsnorm(
         &self,
+        route: &str,
         stream: usize,
         dtype: &str,
         rows: usize,
@@ -431,20 +434,29 @@ impl Group {
         self.check_range("weight", gamma, hidden * dt.size())?;
         self.check_range("output", normed, bytes)?;
         let s = self.stream(stream);
+        let ptrs = [input, residual, gamma, normed];
         // SAFETY: every range lies inside a live allocation of this context
         // (checked above); the Python layer holds the tensors until the work
-        // is enqueued, checks that `normed` overlaps none of the others, and
-        // torch's allocator orders reuse after the stream's work.
+        // is enqueued (captured ones as long as the graph), checks that
+        // `normed` and, zero-copy, `residual` overlap none of the inputs,
+        // and torch's allocator orders reuse after the stream's work.
         let used = unsafe {
-            self.group.allreduce_add_rmsnorm_raw(
-                &s,
-                dt,
-                rows,
-                hidden,
-                eps,
-                [input, residual, gamma, normed],
-                choice,
-            )
+            match route {
+                "staged" => self
+                    .group
+                    .allreduce_add_rmsnorm_raw(&s, dt, rows, hidden, eps, ptrs, choice),
+                "registered" => self
+                    .group
+                    .allreduce_add_rmsnorm_registered_raw(&s, dt, rows, hidden, eps, ptrs, choice),
+                "captured" => self
+                    .group
+                    .allreduce_add_rmsnorm_in_graph(&s, dt, rows, hidden, eps, ptrs, choice),
+                other => {
+                    return Err(usage(format!(
+                        "route {other:?} is not staged, registered or captured"
+                    )))
+                }
+            }
         }
         .py()?;
         Ok(used.name())

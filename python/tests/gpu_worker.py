@@ -206,6 +206,22 @@ def correctness(c, ca):
                     buf[at : at + n] = c.x(n, dtype, seed)
                     ca.allreduce(buf[at : at + n])
                     same_bits(buf[at : at + n], c.ref(n, dtype, seed), f"registered in place {dtype} n={n}")
+            # The fused call reads its input from the registered buffer too.
+            for rows, hidden in [(1, 7168), (3, 7), (4, 4096)]:
+                for algo in ["one_stage", "two_stage"]:
+                    seed += 1
+                    n = rows * hidden
+                    buf[:n] = rank_input(c.rank, n, dtype, seed, exp=40).to(c.dev)
+                    res0 = rank_input(c.rank, n, dtype, seed + 50000, exp=40)
+                    w = rank_input(c.rank, hidden, dtype, seed + 90000, exp=4)
+                    residual, out = res0.to(c.dev), torch.empty(n, dtype=dtype, device=c.dev)
+                    poison(out)
+                    ca.allreduce_add_rmsnorm(buf[:n], residual, w.to(c.dev), 1e-6, out=out, algorithm=algo)
+                    assert ca.last_call[0] == "registered", ca.last_call
+                    want_res, want_norm = add_rmsnorm_ref(reference(c.world, n, dtype, seed, 40), res0, w, 1e-6, hidden)
+                    what = f"registered fused {dtype} rows={rows} hidden={hidden} {algo}"
+                    same_bits(residual, want_res, what + " residual")
+                    same_bits(out, want_norm, what + " normed")
         ca.check()
 
     def graphs(zero_copy):
@@ -234,6 +250,34 @@ def correctness(c, ca):
                 g.replay()
                 same_bits(oa, c.ref(n, dtype, seed), f"graph {dtype} out")
                 same_bits(xb, c.ref(4097, dtype, seed + 1000), f"graph {dtype} in place")
+            ca.check()
+            del g
+            # The fused call in a graph: new input and residual per replay.
+            rows, hidden = 3, 4096
+            fx = torch.empty(rows * hidden, dtype=dtype, device=c.dev)
+            fres = torch.empty_like(fx)
+            fw = rank_input(c.rank, hidden, dtype, 77, exp=4)
+            fwd = fw.to(c.dev)
+            fout = torch.empty_like(fx)
+            fx.copy_(rank_input(c.rank, rows * hidden, dtype, 0, exp=40))
+            fres.copy_(fx)
+            ca.allreduce_add_rmsnorm(fx, fres, fwd, 1e-6, out=fout)  # warm-up outside capture
+            torch.cuda.synchronize(c.dev)
+            g = torch.cuda.CUDAGraph()
+            with ca.capture(zero_copy=zero_copy):
+                with torch.cuda.graph(g):
+                    ca.allreduce_add_rmsnorm(fx, fres, fwd, 1e-6, out=fout)
+                    assert ca.last_call[0] == ("captured" if zero_copy else "staged"), ca.last_call
+            for _ in range(3):
+                seed += 1
+                res0 = rank_input(c.rank, rows * hidden, dtype, seed + 50000, exp=40)
+                fx.copy_(rank_input(c.rank, rows * hidden, dtype, seed, exp=40))
+                fres.copy_(res0)
+                poison(fout)
+                g.replay()
+                want_res, want_norm = add_rmsnorm_ref(reference(c.world, rows * hidden, dtype, seed, 40), res0, fw, 1e-6, hidden)
+                same_bits(fres, want_res, f"graph fused {dtype} residual")
+                same_bits(fout, want_norm, f"graph fused {dtype} normed")
             ca.check()
             del g
 
