@@ -349,7 +349,9 @@ class CustomAllreduce:
             self._exchange(b"reset")
 
     def close(self) -> None:
-        """Frees the group's buffers (after the device is done with them)."""
+        """Frees the group's buffers (after the device is done with them).
+        Graphs captured with this group must not be replayed afterwards:
+        their kernels name the freed buffers."""
         self._native = None
         self._registered.clear()
 

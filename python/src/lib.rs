@@ -9,7 +9,10 @@
 //! this device's memory before any work is enqueued: it must lie, with the
 //! whole message, inside one live allocation of this rank's context
 //! (`check_range`). A wrong integer from Python is a typed error, not a
-//! stray read or write.
+//! stray read or write. Stream handles cannot be checked that way: like
+//! `torch.cuda.ExternalStream`, a `stream` argument must be a live CUDA
+//! stream of this rank's device (the package passes torch's current one);
+//! this module is the package's private layer, not a public API.
 
 use p2p_allreduce::cudarc::driver::{sys, CudaContext, CudaStream};
 use p2p_allreduce::{
