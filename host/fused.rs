@@ -270,6 +270,12 @@ impl Collective {
         inputs: NormInputs<'_>,
         choice: AlgoChoice,
     ) -> Result<Algorithm> {
+        // The typed front ends check it in `norm_shape`; raw calls here.
+        if !eps.is_finite() || eps < 0.0 {
+            return Err(Error::NormShape(format!(
+                "eps = {eps}: use a finite value >= 0"
+            )));
+        }
         let kind = match inputs {
             NormInputs::Staged => Inputs::Staged,
             NormInputs::ZeroCopy(tables) => {

@@ -302,24 +302,18 @@ impl ProcessGroup {
         rows: usize,
         hidden: usize,
         eps: f32,
-        [input, residual, gamma, normed]: [u64; 4],
+        ptrs: [u64; 4],
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        if !eps.is_finite() || eps < 0.0 {
-            return Err(Error::NormShape(format!(
-                "eps = {eps}: use a finite value >= 0"
-            )));
-        }
-        let ptrs = NormPtrs::one_rank(self.rank, input, residual, gamma, normed);
         // SAFETY: forwarded from the caller.
         unsafe {
-            self.core.add_rmsnorm(
-                &[stream],
+            self.fused(
+                stream,
                 dtype,
                 rows,
                 hidden,
                 eps,
-                &ptrs,
+                ptrs,
                 NormInputs::Staged,
                 algo,
             )
@@ -357,7 +351,18 @@ impl ProcessGroup {
         // SAFETY: the table names every rank's registered buffer at this
         // offset, inside the smallest one registered (checked); the rest is
         // the caller's contract.
-        unsafe { self.fused_zero_copy(stream, dtype, rows, hidden, eps, ptrs, table, algo) }
+        unsafe {
+            self.fused(
+                stream,
+                dtype,
+                rows,
+                hidden,
+                eps,
+                ptrs,
+                NormInputs::ZeroCopy(&[table]),
+                algo,
+            )
+        }
     }
 
     /// [`ProcessGroup::allreduce_add_rmsnorm_raw`] captured in a CUDA
@@ -392,18 +397,30 @@ impl ProcessGroup {
             // SAFETY: a zero slot filled by register_captured before a
             // replay can read it (a null input is reported by the kernel);
             // the rest is the caller's contract.
-            unsafe { self.fused_zero_copy(stream, dtype, rows, hidden, eps, ptrs, table, algo) }
+            unsafe {
+                self.fused(
+                    stream,
+                    dtype,
+                    rows,
+                    hidden,
+                    eps,
+                    ptrs,
+                    NormInputs::ZeroCopy(&[table]),
+                    algo,
+                )
+            }
         })
     }
 
-    /// A zero-copy fused call through `table`.
+    /// One fused call of this rank, its input staged or read through a
+    /// zero-copy table.
     ///
     /// # Safety
-    /// `table` names every rank's input of `rows * hidden` elements and
-    /// this group's scratch; the other pointers as for
-    /// [`Self::allreduce_add_rmsnorm_raw`].
+    /// As for [`Self::allreduce_add_rmsnorm_raw`]; a zero-copy table names
+    /// every rank's input of `rows * hidden` elements and this group's
+    /// scratch.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn fused_zero_copy(
+    unsafe fn fused(
         &self,
         stream: &Arc<CudaStream>,
         dtype: Dtype,
@@ -411,27 +428,14 @@ impl ProcessGroup {
         hidden: usize,
         eps: f32,
         [input, residual, gamma, normed]: [u64; 4],
-        table: u64,
+        inputs: NormInputs<'_>,
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        if !eps.is_finite() || eps < 0.0 {
-            return Err(Error::NormShape(format!(
-                "eps = {eps}: use a finite value >= 0"
-            )));
-        }
         let ptrs = NormPtrs::one_rank(self.rank, input, residual, gamma, normed);
         // SAFETY: forwarded from the caller.
         unsafe {
-            self.core.add_rmsnorm(
-                &[stream],
-                dtype,
-                rows,
-                hidden,
-                eps,
-                &ptrs,
-                NormInputs::ZeroCopy(&[table]),
-                algo,
-            )
+            self.core
+                .add_rmsnorm(&[stream], dtype, rows, hidden, eps, &ptrs, inputs, algo)
         }
     }
 
