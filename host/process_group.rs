@@ -341,28 +341,14 @@ impl ProcessGroup {
         ptrs: [u64; 4],
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        self.core.ensure_ok()?;
-        let capturing = driver::is_capturing(stream)?;
         let bytes = (rows * hidden * dtype.size()) as u64;
-        let table = {
-            let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
-            tables.registered_table(ptrs[0], bytes, capturing)?
-        };
-        // SAFETY: the table names every rank's registered buffer at this
-        // offset, inside the smallest one registered (checked); the rest is
-        // the caller's contract.
-        unsafe {
-            self.fused(
-                stream,
-                dtype,
-                rows,
-                hidden,
-                eps,
-                ptrs,
-                NormInputs::ZeroCopy(&[table]),
-                algo,
-            )
-        }
+        self.with_registered_table(stream, ptrs[0], bytes, |table| {
+            let inputs = NormInputs::ZeroCopy(&[table]);
+            // SAFETY: the table names every rank's registered buffer at
+            // this offset, inside the smallest one registered (checked); the
+            // rest is the caller's contract.
+            unsafe { self.fused(stream, dtype, rows, hidden, eps, ptrs, inputs, algo) }
+        })
     }
 
     /// [`ProcessGroup::allreduce_add_rmsnorm_raw`] captured in a CUDA
@@ -384,31 +370,14 @@ impl ProcessGroup {
         ptrs: [u64; 4],
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        self.core.ensure_ok()?;
-        if !driver::is_capturing(stream)? {
-            return Err(Error::Config(
-                "allreduce_add_rmsnorm_in_graph needs a stream that is capturing a CUDA graph"
-                    .into(),
-            ));
-        }
         let bytes = (rows * hidden * dtype.size()) as u64;
-        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
-        tables.capture(ptrs[0], bytes, |table| {
+        let what = "allreduce_add_rmsnorm_in_graph";
+        self.with_captured_table(what, stream, ptrs[0], bytes, |table| {
+            let inputs = NormInputs::ZeroCopy(&[table]);
             // SAFETY: a zero slot filled by register_captured before a
             // replay can read it (a null input is reported by the kernel);
             // the rest is the caller's contract.
-            unsafe {
-                self.fused(
-                    stream,
-                    dtype,
-                    rows,
-                    hidden,
-                    eps,
-                    ptrs,
-                    NormInputs::ZeroCopy(&[table]),
-                    algo,
-                )
-            }
+            unsafe { self.fused(stream, dtype, rows, hidden, eps, ptrs, inputs, algo) }
         })
     }
 
@@ -531,17 +500,10 @@ impl ProcessGroup {
         output: u64,
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        self.core.ensure_ok()?;
-        if !driver::is_capturing(stream)? {
-            return Err(Error::Config(
-                "allreduce_in_graph needs a stream that is capturing a CUDA graph; use allreduce outside capture".into(),
-            ));
-        }
         let mut o = [0u64; MAX_RANKS];
         o[self.rank] = output;
         let bytes = (count * dtype.size()) as u64;
-        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
-        tables.capture(input, bytes, |table| {
+        self.with_captured_table("allreduce_in_graph", stream, input, bytes, |table| {
             // SAFETY: the table is a zero slot that register_captured fills
             // before a replay can read it (a null input is reported by the
             // kernel); input and output are the caller's contract.
@@ -550,6 +512,46 @@ impl ProcessGroup {
                     .zero_copy(&[stream], dtype, count, &[table], &o, algo)
             }
         })
+    }
+
+    /// Runs `launch` with the pointer table of a zero-copy call reading
+    /// `bytes` bytes at `input`, inside a registered buffer (made at the
+    /// first call for its offset, so not during capture).
+    fn with_registered_table<T>(
+        &self,
+        stream: &Arc<CudaStream>,
+        input: u64,
+        bytes: u64,
+        launch: impl FnOnce(u64) -> Result<T>,
+    ) -> Result<T> {
+        self.core.ensure_ok()?;
+        let capturing = driver::is_capturing(stream)?;
+        let table = {
+            let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+            tables.registered_table(input, bytes, capturing)?
+        };
+        launch(table)
+    }
+
+    /// Runs `launch` (of the call `what`) with a zero table slot for a
+    /// zero-copy call captured on `stream`, reading `bytes` bytes at
+    /// `input`; the slot is kept for `register_captured` if it succeeds.
+    fn with_captured_table<T>(
+        &self,
+        what: &str,
+        stream: &Arc<CudaStream>,
+        input: u64,
+        bytes: u64,
+        launch: impl FnOnce(u64) -> Result<T>,
+    ) -> Result<T> {
+        self.core.ensure_ok()?;
+        if !driver::is_capturing(stream)? {
+            return Err(Error::Config(format!(
+                "{what} needs a stream that is capturing a CUDA graph; outside capture use the staged or registered call"
+            )));
+        }
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables.capture(input, bytes, launch)
     }
 
     /// Fills the pointer tables of every allreduce captured (by
@@ -610,22 +612,18 @@ impl ProcessGroup {
         output: u64,
         algo: AlgoChoice,
     ) -> Result<Algorithm> {
-        self.core.ensure_ok()?;
-        let capturing = driver::is_capturing(stream)?;
-        let bytes = (count * dtype.size()) as u64;
-        let table = {
-            let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
-            tables.registered_table(input, bytes, capturing)?
-        };
         let mut o = [0u64; MAX_RANKS];
         o[self.rank] = output;
-        // SAFETY: the table names every rank's registered buffer at this
-        // offset, inside the smallest one registered (checked); the caller
-        // keeps input and output valid.
-        unsafe {
-            self.core
-                .zero_copy(&[stream], dtype, count, &[table], &o, algo)
-        }
+        let bytes = (count * dtype.size()) as u64;
+        self.with_registered_table(stream, input, bytes, |table| {
+            // SAFETY: the table names every rank's registered buffer at
+            // this offset, inside the smallest one registered (checked); the
+            // caller keeps input and output valid.
+            unsafe {
+                self.core
+                    .zero_copy(&[stream], dtype, count, &[table], &o, algo)
+            }
+        })
     }
 
     /// Reports an error a kernel of this group has recorded so far (a peer

@@ -1918,16 +1918,7 @@ fn ipc_child(rank: usize) -> i32 {
                 let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
                 let got_res = bits(stream.clone_dtoh(&rin).map_err(|e| e.to_string())?);
                 let got_norm = bits(stream.clone_dtoh(&out).map_err(|e| e.to_string())?);
-                for (name, g, w) in [
-                    ("residual out", &got_res, &want[rank].0),
-                    ("normed", &got_norm, &want[rank].1),
-                ] {
-                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, g, w) {
-                        return Err(format!(
-                            "{what}: {name} element {i}: got {a:#x} want {b:#x}"
-                        ));
-                    }
-                }
+                norm_mismatch(&what, Dtype::F32, rank, (&got_res, &got_norm), &want[rank])?;
                 fused += 1;
             }
         }
@@ -1986,16 +1977,7 @@ fn ipc_child(rank: usize) -> i32 {
                 group.check(&stream).map_err(|e| format!("{what}: {e}"))?;
                 let got_res = bits(stream.clone_dtoh(&rin).map_err(|e| e.to_string())?);
                 let got_norm = bits(stream.clone_dtoh(&out).map_err(|e| e.to_string())?);
-                for (name, g, w) in [
-                    ("residual out", &got_res, &want[rank].0),
-                    ("normed", &got_norm, &want[rank].1),
-                ] {
-                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, g, w) {
-                        return Err(format!(
-                            "{what}: {name} element {i}: got {a:#x} want {b:#x}"
-                        ));
-                    }
-                }
+                norm_mismatch(&what, Dtype::F32, rank, (&got_res, &got_norm), &want[rank])?;
                 fused_zero_copy += 1;
             }
         }
@@ -2049,16 +2031,13 @@ fn ipc_child(rank: usize) -> i32 {
                 let mut got_norm = vec![0u32; count];
                 fres.read(&mut got_res).map_err(|e| e.to_string())?;
                 fout.read(&mut got_norm).map_err(|e| e.to_string())?;
-                for (name, g, w) in [
-                    ("residual out", &got_res, &want[rank].0),
-                    ("normed", &got_norm, &want[rank].1),
-                ] {
-                    if let Some((i, a, b)) = reference::first_mismatch(Dtype::F32, g, w) {
-                        return Err(format!(
-                            "fused graph replay {it}: {name} element {i}: got {a:#x} want {b:#x}"
-                        ));
-                    }
-                }
+                norm_mismatch(
+                    &format!("fused graph replay {it}"),
+                    Dtype::F32,
+                    rank,
+                    (&got_res, &got_norm),
+                    &want[rank],
+                )?;
                 fused_zero_copy += 1;
             }
         }
@@ -2308,15 +2287,30 @@ fn check_norm_rank(
     got: (&[u32], &[u32]),
     want: &(Vec<u32>, Vec<u32>),
 ) {
+    if let Err(e) = norm_mismatch(what, dtype, r, got, want) {
+        panic!("{e}");
+    }
+}
+
+/// Rank `r`'s residual out and normed rows against the oracle's: the first
+/// differing element, as an error.
+fn norm_mismatch(
+    what: &str,
+    dtype: Dtype,
+    r: usize,
+    got: (&[u32], &[u32]),
+    want: &(Vec<u32>, Vec<u32>),
+) -> Result<(), String> {
     for (name, g, w) in [("residual out", got.0, &want.0), ("normed", got.1, &want.1)] {
         if let Some((i, gb, wb)) = reference::first_mismatch(dtype, g, w) {
-            panic!(
+            return Err(format!(
                 "{what}: rank {r} {name} element {i}: got {}, want {}",
                 reference::fmt_bits(dtype, gb),
                 reference::fmt_bits(dtype, wb)
-            );
+            ));
         }
     }
+    Ok(())
 }
 
 fn norm_virtual<T: Bits>(

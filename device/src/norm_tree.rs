@@ -56,19 +56,3 @@ pub fn combine_quarters(a: [f32; QUARTERS], groups: u64) -> f32 {
     }
     q0
 }
-
-/// The tree itself, in place over `parts` (the definition; the host's
-/// oracle writes it again independently). Returns partial 0 (0 for none).
-pub fn pairwise_tree(parts: &mut [f32]) -> f32 {
-    let n = parts.len();
-    let mut s = 1;
-    while s < n {
-        let mut k = 0;
-        while k + s < n {
-            parts[k] += parts[k + s];
-            k += 2 * s;
-        }
-        s *= 2;
-    }
-    parts.first().copied().unwrap_or(0.0)
-}
