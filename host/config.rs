@@ -2,7 +2,9 @@
 //! them ([`AlgoChoice`], [`Link`]). `Auto`'s table is in
 //! [`crate::thresholds`].
 
-use crate::abi::{Algorithm, PushTwoStagePart, Signal, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
+use crate::abi::{
+    island_split, Algorithm, PushTwoStagePart, Signal, MAX_BLOCKS, MAX_RANKS, PACK_BYTES,
+};
 use crate::ll::LL_PACK_BYTES;
 pub use crate::thresholds::Thresholds;
 use std::time::Duration;
@@ -27,6 +29,12 @@ pub enum AlgoChoice {
     /// the message to fit `Config::push_two_stage_max_bytes` (staged calls
     /// are chunked to it).
     PushTwoStage,
+    /// Push two-stage over two islands of ranks (the first half of the
+    /// ranks and the rest, e.g. two PCIe switches), only partial sums and
+    /// results crossing between them. Needs the message to fit
+    /// `Config::push_two_stage_max_bytes` too (staged calls are chunked to
+    /// it).
+    PushIslands,
 }
 
 impl AlgoChoice {
@@ -39,6 +47,7 @@ impl AlgoChoice {
             AlgoChoice::Push => Some(Algorithm::Push),
             AlgoChoice::PushLl => Some(Algorithm::PushLl),
             AlgoChoice::PushTwoStage => Some(Algorithm::PushTwoStage),
+            AlgoChoice::PushIslands => Some(Algorithm::PushIslands),
         }
     }
 }
@@ -51,6 +60,7 @@ impl From<Algorithm> for AlgoChoice {
             Algorithm::Push => AlgoChoice::Push,
             Algorithm::PushLl => AlgoChoice::PushLl,
             Algorithm::PushTwoStage => AlgoChoice::PushTwoStage,
+            Algorithm::PushIslands => AlgoChoice::PushIslands,
         }
     }
 }
@@ -75,10 +85,12 @@ pub const AUTO_BLOCKS_CROSS_DEVICE: u32 = 64;
 /// Group settings.
 ///
 /// Memory: every rank owns a staging and a scratch buffer of `max_bytes`
-/// each, plus an 8 KiB signal and the landing zones of push, push_ll and
-/// push_two_stage (`2 * world * (push_max_bytes + 2 * push_ll_max_bytes)`
-/// plus about `2 * push_two_stage_max_bytes`): the defaults cost 72 MiB
-/// plus `world` MiB of device memory per rank. Groups for small messages
+/// each, plus a 12 KiB signal and the landing zones of push, push_ll,
+/// push_two_stage and push_islands (`2 * world * (push_max_bytes + 2 *
+/// push_ll_max_bytes)` plus about `2 * push_two_stage_max_bytes` plus
+/// about `2 * world / (world / 2) * push_two_stage_max_bytes`, i.e. 4x for
+/// an even world): the defaults cost 88 MiB plus `world` MiB of device
+/// memory per rank. Groups for small messages
 /// only can use much less, e.g. [`Config::with_max_bytes`]`(1 << 20)` with
 /// smaller landing zones.
 #[derive(Clone, Debug)]
@@ -111,10 +123,12 @@ pub struct Config {
     /// rank holds `4 * world * push_ll_max_bytes` bytes of it. Larger
     /// messages are sent in chunks (staged) or not by push_ll (zero-copy).
     pub push_ll_max_bytes: usize,
-    /// Largest message (bytes) of [`Algorithm::PushTwoStage`]: every rank
-    /// holds a landing zone of about `2 * push_two_stage_max_bytes` bytes
-    /// (each source writes one partition per stage, one slot). Larger
-    /// messages are sent in chunks (staged) or not by push_two_stage
+    /// Largest message (bytes) of [`Algorithm::PushTwoStage`] and
+    /// [`Algorithm::PushIslands`]: every rank holds a landing zone of about
+    /// `2 * push_two_stage_max_bytes` bytes for the first (each source
+    /// writes one partition per stage, one slot) and about four times that
+    /// for the second (partitions are per island, so twice as long). Larger
+    /// messages are sent in chunks (staged) or not by these algorithms
     /// (zero-copy).
     pub push_two_stage_max_bytes: usize,
     /// With the `nccl` feature and NCCL enabled on a `PeerGroup`: messages
@@ -158,7 +172,7 @@ impl Config {
         match algo {
             Algorithm::Push => Some(self.push_max_bytes),
             Algorithm::PushLl => Some(self.push_ll_max_bytes),
-            Algorithm::PushTwoStage => Some(self.push_two_stage_max_bytes),
+            Algorithm::PushTwoStage | Algorithm::PushIslands => Some(self.push_two_stage_max_bytes),
             Algorithm::OneStage | Algorithm::TwoStage => None,
         }
     }
@@ -171,17 +185,27 @@ impl Config {
         )
     }
 
+    /// The layout of one source's part of push_islands' zone: partitions
+    /// are per island ([`island_split`]).
+    fn push_islands_part(&self, world: usize) -> PushTwoStagePart {
+        PushTwoStagePart::for_capacity(
+            (self.push_two_stage_max_bytes / PACK_BYTES) as u64,
+            island_split(world) as u64,
+        )
+    }
+
     /// Bytes of one source's part of push_ll's landing zone: two lines
     /// (32 bytes) per 16-byte pack.
     fn push_ll_part(&self) -> usize {
         self.push_ll_max_bytes / PACK_BYTES * LL_PACK_BYTES
     }
 
-    /// Bytes of each rank's landing zones (push's, push_ll's, then
-    /// push_two_stage's) in a group of `world` ranks.
+    /// Bytes of each rank's landing zones (push's, push_ll's,
+    /// push_two_stage's, then push_islands') in a group of `world` ranks.
     pub(crate) fn landing_bytes(&self, world: usize) -> usize {
         2 * world * (self.push_max_bytes + self.push_ll_part())
             + world * self.push_two_stage_part(world).bytes() as usize
+            + world * self.push_islands_part(world).bytes() as usize
     }
 
     /// Where `algo`'s landing zone starts in a signal allocation of a
@@ -192,10 +216,12 @@ impl Config {
         let push_zone = Signal::LANDING_OFFSET;
         let ll_zone = push_zone + 2 * world * self.push_max_bytes;
         let push2_zone = ll_zone + 2 * world * self.push_ll_part();
+        let islands_zone = push2_zone + world * self.push_two_stage_part(world).bytes() as usize;
         match algo {
             Algorithm::Push => (push_zone as u64, self.push_max_bytes as u64),
             Algorithm::PushLl => (ll_zone as u64, self.push_ll_part() as u64),
             Algorithm::PushTwoStage => (push2_zone as u64, self.push_two_stage_part(world).bytes()),
+            Algorithm::PushIslands => (islands_zone as u64, self.push_islands_part(world).bytes()),
             Algorithm::OneStage | Algorithm::TwoStage => (0, 0),
         }
     }
@@ -335,30 +361,45 @@ mod tests {
     fn landing_zones_do_not_overlap() {
         let c = Config::default();
         for world in 1..=MAX_RANKS {
-            let mut zones: Vec<(u64, u64)> =
-                [Algorithm::Push, Algorithm::PushLl, Algorithm::PushTwoStage]
-                    .into_iter()
-                    .map(|a| {
-                        let (off, part) = c.landing(a, world);
-                        let slots = if a == Algorithm::PushTwoStage { 1 } else { 2 };
-                        (off, off + slots * world as u64 * part)
-                    })
-                    .collect();
+            let mut zones: Vec<(u64, u64)> = [
+                Algorithm::Push,
+                Algorithm::PushLl,
+                Algorithm::PushTwoStage,
+                Algorithm::PushIslands,
+            ]
+            .into_iter()
+            .map(|a| {
+                let (off, part) = c.landing(a, world);
+                let slots = if matches!(a, Algorithm::PushTwoStage | Algorithm::PushIslands) {
+                    1
+                } else {
+                    2
+                };
+                (off, off + slots * world as u64 * part)
+            })
+            .collect();
             zones.sort();
             assert_eq!(zones[0].0, Signal::LANDING_OFFSET as u64);
             for w in zones.windows(2) {
                 assert!(w[0].1 <= w[1].0, "{zones:?}");
             }
             assert_eq!(
-                zones[2].1,
+                zones[3].1,
                 (Signal::LANDING_OFFSET + c.landing_bytes(world)) as u64
             );
-            // Every message that fits has partitions that fit the part.
+            // Every message that fits has partitions that fit the part
+            // (push_islands: per island, and a crossing partial of f32
+            // bits fits the scatter and gather regions together).
             let cap_packs = (c.push_two_stage_max_bytes / PACK_BYTES) as u64;
-            let part =
-                PushTwoStagePart::from_part_bytes(c.landing(Algorithm::PushTwoStage, world).1);
-            let (s, e) = crate::device::reduce::partition(cap_packs, world as u32, 0);
-            assert!(e - s <= part.half);
+            for (algo, parts) in [
+                (Algorithm::PushTwoStage, world),
+                (Algorithm::PushIslands, island_split(world)),
+            ] {
+                let part = PushTwoStagePart::from_part_bytes(c.landing(algo, world).1);
+                let (s, e) = crate::device::reduce::partition(cap_packs, parts as u32, 0);
+                assert!(e - s <= part.half);
+                assert!(part.gather() + part.half * PACK_BYTES as u64 <= part.tail());
+            }
         }
     }
 }

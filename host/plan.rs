@@ -3,7 +3,7 @@
 //! block count — under the group's [`Config`]. Pure: no driver calls, so every rank computes the same plan
 //! from the same arguments, as the barriers need.
 
-use crate::abi::{Algorithm, Dtype, PACK_BYTES};
+use crate::abi::{island_split, Algorithm, Dtype, PACK_BYTES};
 pub use crate::config::{AlgoChoice, Config, Link, Thresholds};
 use crate::error::{Error, Result};
 use crate::ptx::Entry;
@@ -25,6 +25,7 @@ pub fn blocks_for(
     let work = match algo {
         Algorithm::OneStage | Algorithm::Push | Algorithm::PushLl => packs,
         Algorithm::TwoStage | Algorithm::PushTwoStage => packs.div_ceil(world.max(1)),
+        Algorithm::PushIslands => packs.div_ceil(island_split(world).max(1)),
     };
     (work.div_ceil(threads as usize) as u32).clamp(1, max_blocks)
 }

@@ -438,6 +438,7 @@ impl ProcessGroup {
             AlgoChoice::Push => 3,
             AlgoChoice::PushLl => 4,
             AlgoChoice::PushTwoStage => 5,
+            AlgoChoice::PushIslands => 6,
         };
         let mut mine = vec![T::DTYPE as u32 as u8, code(algo)];
         mine.extend_from_slice(&(input.len() as u64).to_le_bytes());

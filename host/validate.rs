@@ -102,11 +102,13 @@ pub fn algo_name(a: AlgoChoice) -> &'static str {
         AlgoChoice::Push => "push",
         AlgoChoice::PushLl => "push_ll",
         AlgoChoice::PushTwoStage => "push_two_stage",
+        AlgoChoice::PushIslands => "push_islands",
     }
 }
 
-/// Parses `one_stage`, `two_stage`, `push`, `push_ll`, `push_two_stage` or
-/// `auto` (also `1`, `2`, `one`, `two`, `ll`, `push2`).
+/// Parses `one_stage`, `two_stage`, `push`, `push_ll`, `push_two_stage`,
+/// `push_islands` or `auto` (also `1`, `2`, `one`, `two`, `ll`, `push2`,
+/// `islands`).
 pub fn parse_algo(s: &str) -> Option<AlgoChoice> {
     match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
         "auto" => Some(AlgoChoice::Auto),
@@ -115,6 +117,7 @@ pub fn parse_algo(s: &str) -> Option<AlgoChoice> {
         "push" => Some(AlgoChoice::Push),
         "push_ll" | "pushll" | "ll" => Some(AlgoChoice::PushLl),
         "push_two_stage" | "push2" => Some(AlgoChoice::PushTwoStage),
+        "push_islands" | "islands" => Some(AlgoChoice::PushIslands),
         _ => None,
     }
 }

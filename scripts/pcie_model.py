@@ -28,6 +28,13 @@ def algorithms(n, island):
         "push_ll": (1, 2 * (n - 1), 2 * cross, False),
         # Data, flag (Start), data, flag (Mid).
         "push_two_stage": (4, 2 * (n - 1) / n, 2 * cross / n, False),
+        # Islands of n // 2 ranks (the algorithm's split; the model assumes
+        # it is also the switch split): scatter + Start, f32 partials across
+        # + Mid, results back + Back, relay in island A + Relay. A rank of
+        # island A sends (h-1)/h M, 2/h M of f32 partials (16-bit types) and
+        # (h-1)/h M; one uplink direction carries the partials, 2 M, the
+        # other the results, M.
+        "push_islands": (8, 2.0, 2.0 if cross else 0.0, False),
     }
 
 

@@ -10,13 +10,14 @@
 
 use std::fmt;
 
-use p2p_allreduce::abi::{Algorithm, Dtype, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
+use p2p_allreduce::abi::{island_split, Algorithm, Dtype, MAX_BLOCKS, MAX_RANKS, PACK_BYTES};
 use p2p_allreduce::device::numeric::{
     bf16_bits_from_f32, bf16x2_from_f32, f16_bits_from_f32, f16x2_from_f32, f16x2_to_f32,
     f32_from_f16_bits, Bf16, Element, Pack, F16, F32,
 };
 use p2p_allreduce::device::reduce::{
-    partition, reduce_pack, reduce_pack_dyn, reduce_scalar, split,
+    accumulate, partial_from_packs, partial_to_packs, partition, reduce_pack, reduce_pack_dyn,
+    reduce_scalar, split,
 };
 use p2p_allreduce::ll;
 use p2p_allreduce::reference::{self, as_slices, fmt_bits, values};
@@ -426,6 +427,9 @@ fn model<E: Element>(
                 }
             }
         }
+        Algorithm::PushIslands => {
+            outputs = model_push_islands::<E>(grid, inputs, order);
+        }
         Algorithm::TwoStage => {
             // Stage 1: every rank reduces its own partition into scratch
             // and its output, remembering which block wrote each pack.
@@ -473,6 +477,202 @@ fn model<E: Element>(
                             i += stride;
                         }
                     }
+                }
+            }
+        }
+    }
+    outputs
+}
+
+/// The data movement of push_islands (device/src/kernels/push_islands.rs),
+/// step by step: landing parts `[zone owner][source]` with scatter and
+/// gather regions, what crossed into each rank's zone from its
+/// counterpart (an unrounded f32 partial into island B, a result into
+/// island A), and tail packs, each entry remembering the block that wrote
+/// it (every barrier is per block, so a reader's block must be the
+/// writer's). `AddOrder::Rotated` stands for the hierarchical order other
+/// implementations use: island B sums its own ranks first and adds that
+/// to island A's partial, which the contract forbids.
+fn model_push_islands<E: Element>(grid: Grid, inputs: &[Vec<u8>], order: AddOrder) -> Vec<Vec<u8>> {
+    let n = inputs.len();
+    let h = island_split(n);
+    let lanes = E::LANES as u64;
+    let bytes = inputs[0].len();
+    let s = split((bytes / E::DTYPE.size()) as u64, lanes);
+    let stride = (grid.blocks * grid.threads) as u64;
+    let block_of = |g: u64| g as usize / grid.threads;
+    let bounds = |q: usize| partition(s.packs, h as u32, q as u32);
+    let island = |r: usize| if r < h { (0, h) } else { (h, n - h) };
+    let half = s.packs.div_ceil(h as u64) as usize;
+    type Region = Vec<Option<(Pack, usize)>>;
+    let mut scatter: Vec<Vec<Region>> = vec![vec![vec![None; half]; n]; n];
+    let mut gather: Vec<Vec<Region>> = vec![vec![vec![None; half]; n]; n];
+    // What crossed into each rank's zone: f32-bit packs and the writer's block.
+    type Crossed = Option<([Pack; 2], usize)>;
+    let mut cross: Vec<Vec<Crossed>> = vec![vec![None; half]; n];
+    let mut tails: Vec<Vec<Vec<Option<u32>>>> = vec![vec![vec![None; lanes as usize]; n]; n];
+    let mut outputs = vec![vec![0xa5u8; bytes]; n];
+    // Step 1: island peers' partitions into their zones; tails everywhere.
+    for (rank, x) in inputs.iter().enumerate() {
+        let (first, size) = island(rank);
+        for k in 1..size {
+            let q = (rank - first + k) % size;
+            if q >= h {
+                continue;
+            }
+            let (ps, pe) = bounds(q);
+            for g in 0..stride {
+                let mut j = g;
+                while ps + j < pe {
+                    let cell = &mut scatter[first + q][rank][j as usize];
+                    assert!(cell.is_none(), "scatter pack {j} written twice");
+                    *cell = Some((load_pack(x, ps + j), block_of(g)));
+                    j += stride;
+                }
+            }
+        }
+        for (p, zone) in tails.iter_mut().enumerate() {
+            if p != rank {
+                for g in 0..stride.min(s.tail) {
+                    zone[rank][g as usize] = Some(load_elem::<E>(x, s.packs * lanes + g));
+                }
+            }
+        }
+    }
+    // After Start: the tail, by every rank.
+    for (rank, out) in outputs.iter_mut().enumerate() {
+        for g in 0..stride.min(s.tail) {
+            let idx = s.packs * lanes + g;
+            let v = reduce_scalar::<E>((0..n).map(|src| {
+                if src == rank {
+                    load_elem::<E>(&inputs[rank], idx)
+                } else {
+                    tails[rank][src][g as usize].expect("tail written before Start")
+                }
+            }));
+            store_elem::<E>(out, idx, v);
+        }
+    }
+    if n == 1 {
+        for i in 0..s.packs {
+            store_pack(
+                &mut outputs[0],
+                i,
+                reduce_packs::<E>(&[load_pack(&inputs[0], i)]),
+            );
+        }
+        return outputs;
+    }
+    // A pack of island peer `src`'s share, as rank `rank` reads it.
+    let landed = |scatter: &[Vec<Region>], rank: usize, src: usize, start: u64, j: u64, g: u64| {
+        if src == rank {
+            return load_pack(&inputs[rank], start + j);
+        }
+        let (pk, wb) = scatter[rank][src][j as usize].expect("scatter written before Start");
+        assert_eq!(wb, block_of(g), "Start is per block");
+        pk
+    };
+    // Step 2 (A): partition i over ranks 0..h, unrounded, across.
+    for rank in 0..h {
+        let (rs, re) = bounds(rank);
+        for g in 0..stride {
+            let mut j = g;
+            while rs + j < re {
+                let mut acc = E::unpack(landed(&scatter, rank, 0, rs, j, g));
+                for src in 1..h {
+                    accumulate::<E>(&mut acc, landed(&scatter, rank, src, rs, j, g));
+                }
+                cross[rank + h][j as usize] = Some((partial_to_packs(&acc), block_of(g)));
+                j += stride;
+            }
+        }
+    }
+    // After Mid, step 3 (B owners): on from the partial over ranks h..n.
+    for rank in h..2 * h {
+        let i = rank - h;
+        let (rs, re) = bounds(i);
+        for g in 0..stride {
+            let mut j = g;
+            while rs + j < re {
+                let (w, wb) = cross[rank][j as usize].expect("partial written before Mid");
+                assert_eq!(wb, block_of(g), "Mid is per block");
+                let mut acc = partial_from_packs(w);
+                let mine: Vec<Pack> = (h..n)
+                    .map(|src| landed(&scatter, rank, src, rs, j, g))
+                    .collect();
+                match order {
+                    AddOrder::RankOrder => {
+                        for p in &mine {
+                            accumulate::<E>(&mut acc, *p);
+                        }
+                    }
+                    AddOrder::Rotated => {
+                        let mut island_sum = E::unpack(mine[0]);
+                        for p in &mine[1..] {
+                            accumulate::<E>(&mut island_sum, *p);
+                        }
+                        for (a, b) in acc.iter_mut().zip(island_sum) {
+                            *a += b;
+                        }
+                    }
+                }
+                let sum = E::pack(&acc);
+                store_pack(&mut outputs[rank], rs + j, sum);
+                cross[i][j as usize] = Some(([sum, [0; 4]], block_of(g)));
+                for (q, zone) in gather.iter_mut().enumerate().skip(h) {
+                    if q != rank {
+                        zone[rank][j as usize] = Some((sum, block_of(g)));
+                    }
+                }
+                j += stride;
+            }
+        }
+    }
+    // After Back, step 4: B copies the other partitions; A takes its own
+    // from across and relays it within A.
+    for (rank, out) in outputs.iter_mut().enumerate() {
+        if rank >= h {
+            for q in (0..h).filter(|&q| h + q != rank) {
+                let (ps, pe) = bounds(q);
+                for g in 0..stride {
+                    let mut j = g;
+                    while ps + j < pe {
+                        let (v, wb) = gather[rank][h + q][j as usize].expect("gather before Back");
+                        assert_eq!(wb, block_of(g), "Back is per block");
+                        store_pack(out, ps + j, v);
+                        j += stride;
+                    }
+                }
+            }
+            continue;
+        }
+        let (rs, re) = bounds(rank);
+        for g in 0..stride {
+            let mut j = g;
+            while rs + j < re {
+                let (w, wb) = cross[rank][j as usize].expect("result written before Back");
+                assert_eq!(wb, block_of(g), "Back is per block");
+                store_pack(out, rs + j, w[0]);
+                for (p, zone) in gather.iter_mut().enumerate().take(h) {
+                    if p != rank {
+                        zone[rank][j as usize] = Some((w[0], block_of(g)));
+                    }
+                }
+                j += stride;
+            }
+        }
+    }
+    // After Relay (island A): the partitions its peers relayed.
+    for (rank, out) in outputs.iter_mut().enumerate().take(h) {
+        for q in (0..h).filter(|&q| q != rank) {
+            let (ps, pe) = bounds(q);
+            for g in 0..stride {
+                let mut j = g;
+                while ps + j < pe {
+                    let (v, wb) = gather[rank][q][j as usize].expect("relayed before Relay");
+                    assert_eq!(wb, block_of(g), "Relay is per block");
+                    store_pack(out, ps + j, v);
+                    j += stride;
                 }
             }
         }
@@ -610,13 +810,17 @@ proptest! {
 
 /// The checks above can fail: the rank-rotated two-stage order of other
 /// implementations is caught on every dtype (in both two-stage algorithms),
-/// and so is one corrupted element.
+/// so is the island-sums-first order of other hierarchical ones
+/// (push_islands), and so is one corrupted element.
 #[test]
 fn rotated_two_stage_order_is_detected() {
-    for (dtype, algo) in Dtype::ALL
-        .into_iter()
-        .flat_map(|d| [(d, Algorithm::TwoStage), (d, Algorithm::PushTwoStage)])
-    {
+    for (dtype, algo) in Dtype::ALL.into_iter().flat_map(|d| {
+        [
+            (d, Algorithm::TwoStage),
+            (d, Algorithm::PushTwoStage),
+            (d, Algorithm::PushIslands),
+        ]
+    }) {
         let case = Case {
             dtype,
             algo,

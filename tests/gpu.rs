@@ -364,7 +364,7 @@ fn property(g: &Gpu) {
             6..=8 => (next(&mut st) % 70_000) as usize,
             _ => (next(&mut st) % 1_100_000) as usize,
         };
-        let algo = Algorithm::ALL[(next(&mut st) % 2) as usize];
+        let algo = Algorithm::ALL[(next(&mut st) % Algorithm::ALL.len() as u64) as usize];
         let registered = next(&mut st) % 2 == 0;
         let graph = len > 0 && next(&mut st) % 4 == 0;
         run_case(

@@ -82,10 +82,10 @@ use loom::cell::UnsafeCell;
 use loom::model::Builder;
 use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use loom::sync::Arc;
-use p2p_allreduce::abi::{error_code, Algorithm, BarrierKind, ErrorRecord};
+use p2p_allreduce::abi::{error_code, island_split, Algorithm, BarrierKind, ErrorRecord};
 use p2p_allreduce::device::barrier::{
-    arrive_ordered, barriers, next_epoch, order, runs, wait_ordered, Clock, FlagWord, Order, Wait,
-    POLLS_PER_CLOCK_READ,
+    arrive_ordered, barriers, islands_barriers, next_epoch, order, runs, wait_ordered, Clock,
+    FlagWord, Order, Wait, POLLS_PER_CLOCK_READ,
 };
 use p2p_allreduce::device::ll::{self, Lines, PackSlot};
 use p2p_allreduce::device::reduce::partition;
@@ -206,6 +206,8 @@ struct RankMem {
     start: Vec<Flag>,
     mid: Vec<Flag>,
     end: Vec<Flag>,
+    back: Vec<Flag>,
+    relay: Vec<Flag>,
     error: ErrorSlot,
     input: Vec<UnsafeCell<u32>>,
     scratch: Vec<UnsafeCell<u32>>,
@@ -227,6 +229,8 @@ impl RankMem {
             start: flags(),
             mid: flags(),
             end: flags(),
+            back: flags(),
+            relay: flags(),
             error: ErrorSlot {
                 code: AtomicU32::new(error_code::NONE),
                 record: UnsafeCell::new(ErrorRecord::default()),
@@ -265,6 +269,8 @@ impl RankMem {
             BarrierKind::Start => &self.start[from],
             BarrierKind::Mid => &self.mid[from],
             BarrierKind::End => &self.end[from],
+            BarrierKind::Back => &self.back[from],
+            BarrierKind::Relay => &self.relay[from],
         }
     }
 }
@@ -306,6 +312,9 @@ struct Protocol {
     mid: Option<Order>,
     /// `None`: no end barrier.
     end: Option<Order>,
+    /// push_islands only (`None` removes them).
+    back: Option<Order>,
+    relay: Option<Order>,
     hw: Hw,
     /// 0 waits forever, as in the kernels.
     timeout_ns: u64,
@@ -396,13 +405,16 @@ impl Protocol {
             start: table_order(algo, BarrierKind::Start),
             mid: table_order(algo, BarrierKind::Mid),
             end: table_order(algo, BarrierKind::End),
+            back: table_order(algo, BarrierKind::Back),
+            relay: table_order(algo, BarrierKind::Relay),
             hw: Hw::ALL,
             timeout_ns: 0,
             epoch_before: 0,
             dies: None,
             late: None,
-            // One slot for push_two_stage (`barrier::barriers` says why).
-            landing_slots: if matches!(algo, Algorithm::PushTwoStage) {
+            // One slot for push_two_stage and push_islands
+            // (`barrier::barriers` says why).
+            landing_slots: if matches!(algo, Algorithm::PushTwoStage | Algorithm::PushIslands) {
                 1
             } else {
                 2
@@ -434,6 +446,8 @@ impl Protocol {
             BarrierKind::Start => self.start,
             BarrierKind::Mid => self.mid,
             BarrierKind::End => self.end,
+            BarrierKind::Back => self.back,
+            BarrierKind::Relay => self.relay,
         }
     }
 }
@@ -522,6 +536,18 @@ impl<'a> Rank<'a> {
     }
 
     fn barrier(&mut self, c: u32, kind: BarrierKind, epoch: u32) -> Result<(), Stop> {
+        self.barrier_among(c, kind, epoch, 0..self.p.world)
+    }
+
+    /// A barrier between the ranks of `among` only (push_islands' Relay),
+    /// this rank one of them.
+    fn barrier_among(
+        &mut self,
+        c: u32,
+        kind: BarrierKind,
+        epoch: u32,
+        among: std::ops::Range<usize>,
+    ) -> Result<(), Stop> {
         let Some(order) = self.p.order(kind) else {
             return Ok(());
         };
@@ -537,13 +563,13 @@ impl<'a> Rank<'a> {
         // written and read by one thread in program order, so the model
         // leaves it out to keep loom's search small.
         for (peer, mem) in self.world.iter().enumerate() {
-            if peer != self.me {
+            if peer != self.me && among.contains(&peer) {
                 arrive_ordered(mem.slot(kind, self.me), epoch, order);
             }
         }
         let own = &self.world[self.me];
         let mut failed = false;
-        for peer in (0..self.p.world).filter(|&p| p != self.me) {
+        for peer in among.filter(|&p| p != self.me) {
             // Every peer is waited for, even after a timeout, as the
             // kernel's threads wait side by side.
             let flag = own.slot(kind, peer);
@@ -770,6 +796,124 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
+    /// Element `i` of source `src`'s share as this rank reads it: its own
+    /// input, or its part of this rank's landing zone, checked to hold
+    /// collective `c`'s value.
+    fn landed(&self, c: u32, epoch: u32, src: usize, i: usize) -> u32 {
+        let own = &self.world[self.me];
+        let slot = self.landing_slot(epoch);
+        let v = if src == self.me {
+            Self::read(&own.input[i])
+        } else {
+            Self::read(own.landing(slot, src, i))
+        };
+        assert_eq!(
+            v,
+            input_value(c, src, i),
+            "rank {} collective {c}: part {src} element {i} is stale",
+            self.me
+        );
+        v
+    }
+
+    /// PushIslands (device/src/kernels/push_islands.rs): island A is ranks
+    /// `0..h`, B ranks `h..n`; partition `i < h` is owned by A's rank `i`
+    /// and its counterpart `h + i`. Each rank writes its island owners'
+    /// partitions into their zones, `Start`; A's owners add their island's
+    /// values and write the (here wrapping) partial into the counterpart's
+    /// zone, `Mid`; B's owners add theirs on top and write the result into
+    /// their output, the counterpart's zone and their island peers' zones,
+    /// `Back`; B copies the other partitions and is done; A takes its
+    /// result, relays it within A, `Relay` (among A); A copies the rest.
+    /// Cells: a source's scatter writes land at the owner's partition's
+    /// indices of the source's part, its gather (and crossing) writes at
+    /// its own partition's indices, which never meet.
+    fn push_islands(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
+        let (n, len, me) = (self.p.world, self.p.len, self.me);
+        let h = island_split(n);
+        let slot = self.landing_slot(epoch);
+        let part = |q: usize| {
+            let (s, e) = partition(len as u64, h as u32, q as u32);
+            s as usize..e as usize
+        };
+        let (first, size) = if me < h { (0, h) } else { (h, n - h) };
+        let idx = me - first;
+        for k in 1..size {
+            let q = (idx + k) % size;
+            if q < h {
+                for i in part(q) {
+                    let v = Self::read(&self.world[me].input[i]);
+                    Self::write(self.world[first + q].landing(slot, me, i), v);
+                }
+            }
+        }
+        self.barrier(c, BarrierKind::Start, epoch)?;
+        if n == 1 {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = self.landed(c, epoch, 0, i);
+            }
+            return Ok(());
+        }
+        if me < h {
+            for i in part(me) {
+                let acc = (0..h).fold(0u32, |a, src| a.wrapping_add(self.landed(c, epoch, src, i)));
+                Self::write(self.world[me + h].landing(slot, me, i), acc);
+            }
+        }
+        self.barrier(c, BarrierKind::Mid, epoch)?;
+        if me >= h && idx < h {
+            let cp = me - h;
+            for i in part(idx) {
+                let partial = Self::read(self.world[me].landing(slot, cp, i));
+                let want = (0..h).fold(0u32, |a, r| a.wrapping_add(input_value(c, r, i)));
+                assert_eq!(
+                    partial, want,
+                    "rank {me} collective {c}: partial {i} from rank {cp} is stale"
+                );
+                let acc = (h..n).fold(partial, |a, src| {
+                    a.wrapping_add(self.landed(c, epoch, src, i))
+                });
+                out[i] = acc;
+                Self::write(self.world[cp].landing(slot, me, i), acc);
+                for q in (h..n).filter(|&q| q != me) {
+                    Self::write(self.world[q].landing(slot, me, i), acc);
+                }
+            }
+        }
+        self.barrier(c, BarrierKind::Back, epoch)?;
+        // The other partitions (for A: first its own, from across): each
+        // from its owner's part of this rank's zone.
+        let copy = |owner: usize, q: usize, out: &mut [u32]| {
+            for i in part(q) {
+                out[i] = Self::read(self.world[me].landing(slot, owner, i));
+                assert_eq!(
+                    out[i],
+                    expected_sum(c, n, i),
+                    "rank {me} collective {c}: part {owner} element {i} is stale"
+                );
+            }
+        };
+        if me >= h {
+            for q in (0..h).filter(|&q| h + q != me) {
+                copy(h + q, q, out);
+            }
+            return Ok(());
+        }
+        copy(me + h, me, out);
+        for p in (0..h).filter(|&p| p != me) {
+            for i in part(me) {
+                Self::write(self.world[p].landing(slot, me, i), out[i]);
+            }
+        }
+        if h > 1 {
+            self.barrier_among(c, BarrierKind::Relay, epoch, 0..h)?;
+        }
+        for q in (0..h).filter(|&q| q != me) {
+            copy(q, q, out);
+        }
+        Ok(())
+    }
+
     /// One kernel: the collective `c` with this rank's input in place.
     fn kernel(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
         let (n, len) = (self.p.world, self.p.len);
@@ -784,6 +928,9 @@ impl<'a> Rank<'a> {
         }
         if self.p.algo == Algorithm::PushTwoStage {
             return self.push_two_stage(c, epoch, out);
+        }
+        if self.p.algo == Algorithm::PushIslands {
+            return self.push_islands(c, epoch, out);
         }
         if self.p.algo == Algorithm::Push {
             self.push_to_peers(epoch);
@@ -800,7 +947,9 @@ impl<'a> Rank<'a> {
                     *o = self.reduce(c, i);
                 }
             }
-            Algorithm::PushLl | Algorithm::PushTwoStage => unreachable!("returned above"),
+            Algorithm::PushLl | Algorithm::PushTwoStage | Algorithm::PushIslands => {
+                unreachable!("returned above")
+            }
             Algorithm::TwoStage => {
                 let (s, e) = partition(len as u64, n as u32, self.me as u32);
                 for (i, o) in out.iter_mut().enumerate().take(e as usize).skip(s as usize) {
@@ -993,8 +1142,17 @@ fn model_runs_the_kernels_barrier_table() {
             let world = vec![RankMem::new(1, p.len)];
             let (outcome, ran) = Rank::new(&world, 0, p).run_recorded();
             check_all_done(&p, &[outcome]);
+            // push_islands runs a subsequence of its table by rank and
+            // world (`islands_barriers`; one rank: Start only).
+            let seq = if algo == Algorithm::PushIslands {
+                let seq = islands_barriers(1, 0);
+                assert!(seq.iter().all(|k| barriers(algo).contains(k)));
+                seq
+            } else {
+                barriers(algo)
+            };
             let want: Vec<(BarrierKind, Order)> = (0..p.collectives)
-                .flat_map(|_| barriers(algo).iter().map(|&k| (k, order(algo, k))))
+                .flat_map(|_| seq.iter().map(|&k| (k, order(algo, k))))
                 .collect();
             assert_eq!(ran, want, "{}", algo.name());
         });
@@ -1575,6 +1733,133 @@ fn push_two_stage_dead_peer_at_mid_times_out_with_record() {
         assert_eq!(
             outcomes[0],
             Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Mid))
+        );
+    });
+}
+
+// ---------------------------------------------------------------------------
+// PushIslands: Start, Mid, Back between all ranks and Relay within island
+// A, all publishing; no End.
+
+#[test]
+fn kernels_push_islands_two_ranks_three_collectives() {
+    let p = Protocol::kernels(2, 2, 3, Algorithm::PushIslands);
+    assert_eq!(p.landing_slots, 1);
+    model_completes(p, 2);
+}
+
+/// Island B of two ranks (one owner, one that owns nothing).
+#[test]
+fn kernels_push_islands_three_ranks_two_collectives() {
+    model_completes(Protocol::kernels(3, 3, 2, Algorithm::PushIslands), 0);
+}
+
+/// Runs the executions of `p` loom finds first, at most `executions` of
+/// them: four ranks make the full search too long (over 4 minutes
+/// without a preemption). Loom checks happens-before on every buffer
+/// access of each execution it runs, so a missing ordering edge still
+/// shows in the first execution that performs both accesses.
+fn model_completes_bounded(p: Protocol, executions: usize) {
+    let mut b = builder(0);
+    b.max_permutations = Some(executions);
+    b.check(move || {
+        let outcomes = run_world(p);
+        check_all_done(&p, &outcomes);
+    });
+}
+
+/// Two islands of two: the Relay barrier within island A runs (bounded:
+/// see `model_completes_bounded`).
+#[test]
+fn kernels_push_islands_four_ranks_two_collectives() {
+    model_completes_bounded(Protocol::kernels(4, 2, 2, Algorithm::PushIslands), 1000);
+}
+
+/// Each rank runs the barriers `islands_barriers` says, with the table's
+/// orders, in every collective.
+#[test]
+fn push_islands_ranks_run_their_barrier_sequences() {
+    for world in [2usize, 3, 4] {
+        let p = Protocol::kernels(world, 2, 2, Algorithm::PushIslands);
+        let mut b = builder(0);
+        b.max_permutations = Some(200);
+        b.check(move || {
+            let mem: Arc<Vec<RankMem>> =
+                Arc::new((0..world).map(|_| RankMem::new(world, p.len)).collect());
+            let handles: Vec<_> = (1..world)
+                .map(|me| {
+                    let mem = mem.clone();
+                    loom::thread::spawn(move || Rank::new(&mem, me, p).run_recorded())
+                })
+                .collect();
+            let mut runs = vec![Rank::new(&mem, 0, p).run_recorded()];
+            runs.extend(handles.into_iter().map(|h| h.join().expect("rank")));
+            let outcomes: Vec<Outcome> = runs.iter().map(|r| r.0.clone()).collect();
+            check_all_done(&p, &outcomes);
+            for (rank, (_, ran)) in runs.iter().enumerate() {
+                let want: Vec<(BarrierKind, Order)> = (0..p.collectives)
+                    .flat_map(|_| {
+                        islands_barriers(world, rank)
+                            .iter()
+                            .map(|&k| (k, order(Algorithm::PushIslands, k)))
+                    })
+                    .collect();
+                assert_eq!(ran, &want, "world {world} rank {rank}");
+            }
+        });
+    }
+}
+
+/// Mid must publish: the partials are written across just before it.
+#[test]
+fn push_islands_with_relaxed_mid_is_caught() {
+    let p = Protocol {
+        mid: Some(Order::ArrivalOnly),
+        ..Protocol::kernels(2, 2, 1, Algorithm::PushIslands)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// Without Back, island A copies its result before it comes back.
+#[test]
+fn push_islands_without_back_is_caught() {
+    let p = Protocol {
+        back: None,
+        ..Protocol::kernels(2, 2, 1, Algorithm::PushIslands)
+    };
+    assert_race(&model_failure(p, 2));
+}
+
+/// Relay must publish: A's ranks relay their results just before it.
+#[test]
+fn push_islands_with_relaxed_relay_is_caught() {
+    let p = Protocol {
+        relay: Some(Order::ArrivalOnly),
+        ..Protocol::kernels(4, 2, 1, Algorithm::PushIslands)
+    };
+    let result = std::panic::catch_unwind(move || model_completes_bounded(p, 300));
+    let payload = result.expect_err("a relaxed Relay passed");
+    let msg = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert_race(&msg);
+}
+
+/// A dead counterpart at Back: the survivor times out there and names it.
+#[test]
+fn push_islands_dead_peer_at_back_times_out_with_record() {
+    let p = Protocol {
+        timeout_ns: 50,
+        dies: Some((1, 0, BarrierKind::Back)),
+        ..Protocol::kernels(2, 2, 1, Algorithm::PushIslands)
+    };
+    model_with_fault(p, 1, |outcomes| {
+        assert_eq!(outcomes[1], Outcome::Died);
+        assert_eq!(
+            outcomes[0],
+            Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Back))
         );
     });
 }

@@ -18,14 +18,15 @@ pub const PACK_BYTES: usize = 16;
 /// Required alignment of every input, output, scratch and staging pointer.
 pub const BUFFER_ALIGN: usize = PACK_BYTES;
 
-/// The three flag sets of a collective. Separate sets are needed because a
-/// fast peer can reach barrier k+1 while a slow one still polls barrier k.
+/// The flag sets of a collective. Separate sets are needed because a fast
+/// peer can reach barrier k+1 while a slow one still polls barrier k.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BarrierKind {
     /// Before any rank reads a peer's input.
     Start = 1,
     /// Two-stage and push two-stage: between reduce-scatter and all-gather.
+    /// Push islands: after the first island's partial sums crossed over.
     Mid = 2,
     /// One-stage only: after every read of peer inputs, before any rank may
     /// return and let its input be overwritten. Two-stage needs none: peers
@@ -33,6 +34,12 @@ pub enum BarrierKind {
     /// next collective's `Start`, which a peer reaches only once its whole
     /// previous kernel (every read of scratch) has completed.
     End = 3,
+    /// Push islands only: after the second island's owners sent the
+    /// reduced partitions back across and into their own island.
+    Back = 4,
+    /// Push islands only, among the first island's ranks: after they
+    /// relayed the reduced partitions within their island.
+    Relay = 5,
 }
 
 impl BarrierKind {
@@ -41,6 +48,8 @@ impl BarrierKind {
             1 => Some(Self::Start),
             2 => Some(Self::Mid),
             3 => Some(Self::End),
+            4 => Some(Self::Back),
+            5 => Some(Self::Relay),
             _ => None,
         }
     }
@@ -94,6 +103,8 @@ pub struct Signal {
     pub start: [[u32; MAX_RANKS]; MAX_BLOCKS],
     pub mid: [[u32; MAX_RANKS]; MAX_BLOCKS],
     pub end: [[u32; MAX_RANKS]; MAX_BLOCKS],
+    pub back: [[u32; MAX_RANKS]; MAX_BLOCKS],
+    pub relay: [[u32; MAX_RANKS]; MAX_BLOCKS],
     pub epoch: [u32; MAX_BLOCKS],
     pub error: ErrorRecord,
     pub _pad: [u32; 440],
@@ -107,15 +118,20 @@ impl Signal {
             BarrierKind::Start => 0,
             BarrierKind::Mid => 1,
             BarrierKind::End => 2,
+            BarrierKind::Back => 3,
+            BarrierKind::Relay => 4,
         };
         (set * MAX_BLOCKS * MAX_RANKS + block * MAX_RANKS + from) * 4
     }
-    pub const EPOCH_OFFSET: usize = 3 * MAX_BLOCKS * MAX_RANKS * 4;
+    /// Flag sets, one per [`BarrierKind`].
+    pub const FLAG_SETS: usize = 5;
+    pub const EPOCH_OFFSET: usize = Self::FLAG_SETS * MAX_BLOCKS * MAX_RANKS * 4;
     /// Where a rank's landing zones start in its signal allocation: right
     /// after the [`Signal`], push's first, then push_ll's, then
-    /// push_two_stage's (`LaunchArgs::landing_offset` says where each is;
-    /// the last one has one slot, `[source 0..N][part]`, its parts laid out
-    /// by [`PushTwoStagePart`]). Layout of each:
+    /// push_two_stage's, then push_islands' (`LaunchArgs::landing_offset`
+    /// says where each is; the last two have one slot,
+    /// `[source 0..N][part]`, their parts laid out by [`PushTwoStagePart`]).
+    /// Layout of push's and push_ll's:
     /// `[slot 0..2][source 0..N][part]`, each part `LaunchArgs::landing_part`
     /// bytes (fixed for the group; at least `ceil(count / lanes) * 16` for
     /// push and twice that for push_ll), slot = the collective's epoch
@@ -125,10 +141,13 @@ impl Signal {
     pub const ERROR_OFFSET: usize = Self::EPOCH_OFFSET + MAX_BLOCKS * 4;
 }
 
-/// The layout of one source's part of push_two_stage's landing zone (one
-/// slot, unlike push and push_ll: [`crate::barrier::barriers`] says why),
-/// for
-/// messages of up to `cap_packs` packs in a `world`-rank group: `half`
+/// The layout of one source's part of push_two_stage's and push_islands'
+/// landing zones (one slot, unlike push and push_ll:
+/// [`crate::barrier::barriers`] says why), for messages of up to
+/// `cap_packs` packs cut into `world` partitions (push_islands:
+/// [`island_split`] partitions, and the part of a rank's counterpart in
+/// the other island holds the partial or reduced partition that crosses
+/// between them, in the scatter and gather regions together): `half`
 /// packs for the source's share of the owner's partition (reduce-scatter,
 /// at pack 0), `half` packs for the source's own reduced partition
 /// (all-gather, at pack `half`), then one pack for the source's tail
@@ -214,12 +233,12 @@ pub struct LaunchArgs {
     /// sets to its error code after writing an error record (0: none), so
     /// the host learns of an error without synchronising.
     pub host_error: u64,
-    /// Push, PushLl and PushTwoStage: bytes of one source's part of a landing zone (the
+    /// Push algorithms: bytes of one source's part of a landing zone (the
     /// same on every rank). The layout must not depend on the message: a
     /// peer one collective ahead writes the other slot while this rank
     /// still reads this one, and slots of different sizes would overlap.
     pub landing_part: u64,
-    /// Push, PushLl and PushTwoStage: bytes from the start of every rank's
+    /// Push algorithms: bytes from the start of every rank's
     /// signal allocation to the landing zone of this algorithm (the zones
     /// are distinct, see [`crate::ll`]).
     pub landing_offset: u64,
@@ -229,10 +248,12 @@ pub struct LaunchArgs {
 const _: () = {
     use core::mem::{align_of, offset_of, size_of};
     assert!(size_of::<ErrorRecord>() == 32);
-    assert!(size_of::<Signal>() == 8192);
+    assert!(size_of::<Signal>() == 12288);
     assert!(align_of::<Signal>() == 128);
     assert!(offset_of!(Signal, mid) == Signal::flag_offset(BarrierKind::Mid, 0, 0));
     assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0));
+    assert!(offset_of!(Signal, back) == Signal::flag_offset(BarrierKind::Back, 0, 0));
+    assert!(offset_of!(Signal, relay) == Signal::flag_offset(BarrierKind::Relay, 0, 0));
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
     assert!(size_of::<RankTable>() == 192);
@@ -344,15 +365,38 @@ pub enum Algorithm {
     /// per stage as a posted write, as in two-stage, but no rank reads
     /// peer memory (PCIe: reads are non-posted round trips).
     PushTwoStage,
+    /// Push two-stage over two islands of ranks (ranks `0..h` and `h..N`,
+    /// `h =` [`island_split`]`(N)`, e.g. the GPUs behind two PCIe switches),
+    /// keeping the rank-order sum: each first-island rank reduces its
+    /// partition over its island in f32 and sends the unrounded partial to
+    /// its counterpart `r + h`, which adds the second island's values in
+    /// rank order, rounds once, and sends the result back; each island
+    /// then all-gathers by writes. Only partials (f32) and results cross
+    /// between the islands, once each: a quarter of push_two_stage's
+    /// cross-island bytes for 16-bit types on 4 + 4 ranks.
+    PushIslands,
+}
+
+/// Ranks in the first island of [`Algorithm::PushIslands`] for a group of
+/// `world` ranks, which is also its number of partitions: half the group,
+/// rounded down (the second island is never smaller), and the one rank of
+/// a one-rank group.
+pub const fn island_split(world: usize) -> usize {
+    if world <= 1 {
+        world
+    } else {
+        world / 2
+    }
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 5] = [
+    pub const ALL: [Algorithm; 6] = [
         Algorithm::OneStage,
         Algorithm::TwoStage,
         Algorithm::Push,
         Algorithm::PushLl,
         Algorithm::PushTwoStage,
+        Algorithm::PushIslands,
     ];
     pub const fn name(self) -> &'static str {
         match self {
@@ -361,6 +405,7 @@ impl Algorithm {
             Algorithm::Push => "push",
             Algorithm::PushLl => "push_ll",
             Algorithm::PushTwoStage => "push_two_stage",
+            Algorithm::PushIslands => "push_islands",
         }
     }
 }

@@ -52,12 +52,17 @@ use crate::abi::{Algorithm, BarrierKind};
 ///   push_two_stage: written by the owner into the reader's landing zone),
 ///   with no stream boundary in between, so only release/acquire on the
 ///   flag orders those writes before the reads.
+/// - Every barrier of [`Algorithm::PushIslands`] is [`Order::Publish`]:
+///   each follows writes into peers' landing zones that they read next.
 #[inline(always)]
 pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
     match (algo, kind) {
         (Algorithm::Push | Algorithm::PushTwoStage, BarrierKind::Start) => Order::Publish,
+        // Every barrier of push_islands follows writes into peers' zones
+        // that the peers read right after it.
+        (Algorithm::PushIslands, _) => Order::Publish,
         (_, BarrierKind::Start | BarrierKind::End) => Order::ArrivalOnly,
-        (_, BarrierKind::Mid) => Order::Publish,
+        (_, BarrierKind::Mid | BarrierKind::Back | BarrierKind::Relay) => Order::Publish,
     }
 }
 
@@ -106,6 +111,30 @@ pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
 ///   `Start`, which needs this rank's arrival, so no slot is ever ahead of
 ///   the awaited epoch by more than one.
 ///
+/// - PushIslands (ranks `0..h` form island A, `h..N` island B,
+///   `h = island_split(N)`; island index `i` = rank - first rank of the
+///   island; partition `i < h` is owned by A's rank `i` and B's rank
+///   `h + i`, counterparts): `Start` (publishes the partitions each rank
+///   wrote into its island owners' zones, and every rank's tail written
+///   into every zone), `Mid` (publishes A's unrounded f32 partials written
+///   into the counterparts' zones), `Back` (publishes B's reduced
+///   partitions written into the counterparts' zones and into B's other
+///   ranks' zones) and `Relay`, among A's ranks only (publishes the
+///   reduced partitions A's ranks relayed within A). `Start`, `Mid` and
+///   `Back` are between all ranks. One slot serves every collective: a
+///   scatter region and a tail pack are written again at the next
+///   collective's first step, by a rank that passed this collective's
+///   `Back`, which needs the reader's `Back` arrival, made after its last
+///   read of them (before its `Mid` arrival for A, its `Back` arrival for
+///   B); the cross and gather regions are written again only after the
+///   next collective's `Start`, which needs the reader's arrival there,
+///   made after its whole kernel completed. B's ranks finish at `Back`, so
+///   they can run the next collective's first step while A's ranks still
+///   wait at `Relay`: that step writes only B's scatter regions and the
+///   tail packs, both already free. No flag runs more than one collective
+///   ahead: every barrier of the next collective follows its `Start`, which
+///   needs this rank's arrival.
+///
 /// - PushLl: none. Its arrival signal is the data itself (flag-in-data
 ///   lines, [`crate::ll`], which says why two slots and equality on the
 ///   epoch suffice); each block commits the epoch after a `bar.sync` that
@@ -114,8 +143,8 @@ pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
 /// Invariants, checked at compile time below: every non-empty sequence
 /// begins with `Start` (the kernels commit the new epoch after it), and
 /// kinds appear at
-/// most once, in the order `Start`, `Mid`, `End`, which is the order of the
-/// barrier sites in the kernels and in the model.
+/// most once, in the order `Start`, `Mid`, `End`, `Back`, `Relay`, which
+/// is the order of the barrier sites in the kernels and in the model.
 #[inline(always)]
 pub const fn barriers(algo: Algorithm) -> &'static [BarrierKind] {
     match algo {
@@ -124,6 +153,33 @@ pub const fn barriers(algo: Algorithm) -> &'static [BarrierKind] {
         Algorithm::Push => &[BarrierKind::Start],
         Algorithm::PushLl => &[],
         Algorithm::PushTwoStage => &[BarrierKind::Start, BarrierKind::Mid],
+        Algorithm::PushIslands => &[
+            BarrierKind::Start,
+            BarrierKind::Mid,
+            BarrierKind::Back,
+            BarrierKind::Relay,
+        ],
+    }
+}
+
+/// The barriers rank `rank` of a `world`-rank group runs in push_islands,
+/// in order: a subsequence of [`barriers`]`(PushIslands)`. One rank alone
+/// runs `Start` only (it reduces everything itself); `Relay` runs among
+/// island A's ranks only, and only when island A has more than one.
+#[inline(always)]
+pub const fn islands_barriers(world: usize, rank: usize) -> &'static [BarrierKind] {
+    let h = crate::abi::island_split(world);
+    if world <= 1 {
+        &[BarrierKind::Start]
+    } else if rank < h && h > 1 {
+        &[
+            BarrierKind::Start,
+            BarrierKind::Mid,
+            BarrierKind::Back,
+            BarrierKind::Relay,
+        ]
+    } else {
+        &[BarrierKind::Start, BarrierKind::Mid, BarrierKind::Back]
     }
 }
 
@@ -135,9 +191,12 @@ pub const fn runs(algo: Algorithm, kind: BarrierKind) -> bool {
     RUNS[algo as usize][kind as usize]
 }
 
+/// Indices of `RUNS`' rows: the largest [`BarrierKind`] value, plus one.
+const KINDS: usize = BarrierKind::Relay as usize + 1;
+
 /// `RUNS[algo][kind]`: whether `kind` is in `barriers(algo)`.
-const RUNS: [[bool; 4]; Algorithm::ALL.len()] = {
-    let mut t = [[false; 4]; Algorithm::ALL.len()];
+const RUNS: [[bool; KINDS]; Algorithm::ALL.len()] = {
+    let mut t = [[false; KINDS]; Algorithm::ALL.len()];
     let mut a = 0;
     while a < Algorithm::ALL.len() {
         let algo = Algorithm::ALL[a];
@@ -181,6 +240,15 @@ const _: () = {
         order(Algorithm::PushTwoStage, BarrierKind::Mid),
         Order::Publish
     ));
+    let seq = barriers(Algorithm::PushIslands);
+    let mut i = 0;
+    while i < seq.len() {
+        assert!(matches!(
+            order(Algorithm::PushIslands, seq[i]),
+            Order::Publish
+        ));
+        i += 1;
+    }
 };
 
 /// A 32-bit flag in memory another rank can see.

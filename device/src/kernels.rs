@@ -1,7 +1,7 @@
 //! The allreduce entry points.
 //!
 //! Every entry takes one [`LaunchArgs`] by value. Names follow
-//! `allreduce_{one_stage|two_stage|push|push_ll|push_two_stage}_{f32|f16|bf16}_w{N}[_virtual]`; the
+//! `allreduce_{one_stage|two_stage|push|push_ll|push_two_stage|push_islands}_{f32|f16|bf16}_w{N}[_virtual]`; the
 //! host's entry table builds the same names from the same parts.
 //!
 //! Launch contract (checked by the host, and by the kernel where a wrong
@@ -14,7 +14,9 @@
 //! two-stage entries, which read peers' buffers; `push.rs` the push entries,
 //! which write into peers' landing zones; `push_ll.rs` the push entries whose
 //! data carries its own arrival signal; `push_two_stage.rs` reduce-scatter
-//! and all-gather by writes into landing zones; `norm.rs` the fused
+//! and all-gather by writes into landing zones; `push_islands.rs` the same
+//! over two islands of ranks, with f32 partials crossing between them;
+//! `norm.rs` the fused
 //! allreduce + residual add + RMSNorm (`allreduce_rmsnorm_*`).
 //!
 //! Which barriers run, and with which memory order, comes from the protocol
@@ -131,6 +133,30 @@ unsafe fn block_barrier<const N: usize>(
     kind: BarrierKind,
     epoch: u32,
 ) -> bool {
+    // SAFETY: forwarded contract; ranks 0..N are every rank.
+    unsafe { block_barrier_among::<N>(a, algo, own_sig, rank, block, kind, epoch, 0, N as u32) }
+}
+
+/// [`block_barrier`] between block `block` of ranks `first .. first +
+/// count` only (push_islands' `Relay`, among the first island): thread p
+/// of that range does the flag exchange with peer p.
+///
+/// # Safety
+/// As for [`block_barrier`], with `first + count <= N` and `rank` in the
+/// range; every rank of the range must call it (and no other rank need).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_barrier_among<const N: usize>(
+    a: &LaunchArgs,
+    algo: Algorithm,
+    own_sig: u64,
+    rank: u32,
+    block: u32,
+    kind: BarrierKind,
+    epoch: u32,
+    first: u32,
+    count: u32,
+) -> bool {
     let (signals, timeout_ns) = (&a.signals, a.timeout_ns);
     let order = order(algo, kind);
     if kind != BarrierKind::Start || order == Order::Publish {
@@ -141,7 +167,7 @@ unsafe fn block_barrier<const N: usize>(
     }
     let tid = thread_idx_x();
     let mut failed = false;
-    if (tid as usize) < N {
+    if tid >= first && tid - first < count && (tid as usize) < N {
         arrive_ordered(
             // SAFETY: `pick` returns peer `tid`'s signal (tid < N), and
             // block < MAX_BLOCKS, rank < N <= MAX_RANKS (caller contract).
@@ -545,5 +571,6 @@ use push_entries;
 mod norm;
 mod pull;
 mod push;
+mod push_islands;
 mod push_ll;
 mod push_two_stage;

@@ -82,3 +82,49 @@ pub const fn partition(packs: u64, world: u32, part: u32) -> (u64, u64) {
     let len = base + if p < extra { 1 } else { 0 };
     (start, start + len)
 }
+
+/// Adds the lanes of `pack` onto an accumulator ([`Element::unpack`]
+/// lanes): one rank's step of the rank-order sum, for sums split between
+/// kernels' stages (push_islands carries the unrounded f32 partial of the
+/// first island's ranks to the second island, which goes on adding).
+#[inline(always)]
+pub fn accumulate<E: Element>(acc: &mut [f32; 8], pack: Pack) {
+    let x = E::unpack(pack);
+    let mut l = 0;
+    while l < 8 {
+        acc[l] += x[l];
+        l += 1;
+    }
+}
+
+/// Packs of f32 bits that carry an accumulator of one pack of `E`
+/// ([`partial_to_packs`]): 2 for 16-bit types, 1 for f32.
+#[inline(always)]
+pub const fn partial_packs<E: Element>() -> usize {
+    E::LANES / 4
+}
+
+/// An unrounded accumulator as the bits of its f32 lanes, lanes 0..4 in
+/// the first pack and 4..8 in the second ([`partial_from_packs`] inverts
+/// it exactly, NaN payloads and signed zeros included).
+#[inline(always)]
+pub fn partial_to_packs(acc: &[f32; 8]) -> [Pack; 2] {
+    let b = |l: usize| acc[l].to_bits();
+    [[b(0), b(1), b(2), b(3)], [b(4), b(5), b(6), b(7)]]
+}
+
+/// The accumulator [`partial_to_packs`] sent.
+#[inline(always)]
+pub fn partial_from_packs(p: [Pack; 2]) -> [f32; 8] {
+    let f = f32::from_bits;
+    [
+        f(p[0][0]),
+        f(p[0][1]),
+        f(p[0][2]),
+        f(p[0][3]),
+        f(p[1][0]),
+        f(p[1][1]),
+        f(p[1][2]),
+        f(p[1][3]),
+    ]
+}

@@ -28,7 +28,7 @@ pub struct CheckArgs {
     /// Element types [default: f32,f16,bf16].
     #[arg(long, value_delimiter = ',', value_parser = parse_dtype_arg)]
     pub dtype: Vec<Dtype>,
-    /// Algorithms [default: one_stage,two_stage,push,push_ll,push_two_stage,auto].
+    /// Algorithms [default: one_stage,two_stage,push,push_ll,push_two_stage,push_islands,auto].
     #[arg(long, value_delimiter = ',', value_parser = parse_algo_arg)]
     pub algo: Vec<AlgoChoice>,
     /// Print every case, not only failures.
@@ -127,6 +127,7 @@ fn selection(args: &CheckArgs) -> (Vec<Dtype>, Vec<AlgoChoice>, &'static [usize]
             AlgoChoice::Push,
             AlgoChoice::PushLl,
             AlgoChoice::PushTwoStage,
+            AlgoChoice::PushIslands,
             AlgoChoice::Auto,
         ]
     } else {

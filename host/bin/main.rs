@@ -281,7 +281,7 @@ mod tests {
         assert_eq!((b.iters, b.warmup_iters), (25, 3));
         assert_eq!(b.datatype, Dtype::Bf16);
         assert_eq!(b.world, vec![8]);
-        assert_eq!(b.algo.len(), 6);
+        assert_eq!(b.algo.len(), 7);
         assert_eq!(b, bench::BenchArgs::default(), "clap defaults = Default");
         let cli = Cli::try_parse_from([
             "p2p-allreduce",

@@ -54,12 +54,13 @@ pub struct TuneArgs {
 }
 
 /// The algorithms `tune` compares (`Auto` is what it configures).
-const CANDIDATES: [AlgoChoice; 5] = [
+const CANDIDATES: [AlgoChoice; 6] = [
     AlgoChoice::OneStage,
     AlgoChoice::TwoStage,
     AlgoChoice::Push,
     AlgoChoice::PushLl,
     AlgoChoice::PushTwoStage,
+    AlgoChoice::PushIslands,
 ];
 
 fn usage(msg: &str) -> ExitCode {

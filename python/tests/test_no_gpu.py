@@ -15,7 +15,10 @@ def gather_self(data):
 class NoGpuTests(unittest.TestCase):
     def test_module(self):
         self.assertTrue(pa.__version__)
-        self.assertEqual(pa.algorithms(), ["one_stage", "two_stage", "push", "push_ll", "push_two_stage"])
+        self.assertEqual(
+            pa.algorithms(),
+            ["one_stage", "two_stage", "push", "push_ll", "push_two_stage", "push_islands"],
+        )
         self.assertIsInstance(pa.driver_present(), bool)
         self.assertEqual(pa.DTYPES, {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"})
 

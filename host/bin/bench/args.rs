@@ -34,7 +34,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', num_args = 1.., default_value = "8", value_parser = parse_world_arg)]
     pub world: Vec<usize>,
     /// Algorithms; `auto` reports the one it picked (e.g. auto->one_stage).
-    #[arg(long, value_delimiter = ',', default_value = "one_stage,two_stage,push,push_ll,push_two_stage,auto", value_parser = parse_algo_arg)]
+    #[arg(long, value_delimiter = ',', default_value = "one_stage,two_stage,push,push_ll,push_two_stage,push_islands,auto", value_parser = parse_algo_arg)]
     pub algo: Vec<AlgoChoice>,
     /// Write the rows as a JSON array to this file.
     #[arg(long, value_name = "FILE")]
@@ -93,6 +93,7 @@ impl Default for BenchArgs {
                 AlgoChoice::Push,
                 AlgoChoice::PushLl,
                 AlgoChoice::PushTwoStage,
+                AlgoChoice::PushIslands,
                 AlgoChoice::Auto,
             ],
             json: None,
