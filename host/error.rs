@@ -165,8 +165,8 @@ pub enum Error {
     NormShape(String),
 
     #[error(
-        "the fused allreduce + RMSNorm runs one_stage or two_stage, not {}: use AlgoChoice::Auto, OneStage or \
-         TwoStage",
+        "the fused allreduce + RMSNorm runs one_stage, two_stage or push_ll, not {}: use AlgoChoice::Auto, \
+         OneStage, TwoStage or PushLl",
         .0.name()
     )]
     NormAlgorithm(crate::abi::Algorithm),

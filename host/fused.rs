@@ -39,11 +39,15 @@ pub struct NormPlan {
 impl NormPlan {
     /// The plan of `rows x hidden` elements of `dtype` per rank, or the
     /// error that refuses it: `hidden` 0 with rows, or above
-    /// [`NORM_MAX_HIDDEN`] (`NormShape`); a push algorithm
-    /// (`NormAlgorithm`); staged, a row that does not fit the staging
-    /// buffers (`MessageTooLarge`), or rows that need chunks with chunking
-    /// off; zero-copy (one launch, no chunks), two-stage rows that do not
-    /// fit the scratch (`ScratchTooSmall`).
+    /// [`NORM_MAX_HIDDEN`] (`NormShape`); push, push_two_stage or
+    /// push_islands (`NormAlgorithm`); staged, a row that does not fit the
+    /// staging buffers (or, push_ll, its landing zone: `MessageTooLarge`),
+    /// or rows that need chunks with chunking off; zero-copy (one launch,
+    /// no chunks), two-stage rows that do not fit the scratch
+    /// (`ScratchTooSmall`), push_ll rows that do not fit its landing zone
+    /// (`ZoneTooSmall`). `Auto` runs push_ll where the allreduce of the
+    /// same bytes would and the rows fit its zone, else one-stage or
+    /// two-stage as the allreduce would.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
@@ -67,13 +71,16 @@ impl NormPlan {
         }
         let row_bytes = hidden.max(1) * dtype.size();
         let total = rows * row_bytes;
+        let ll_zone = config.push_ll_max_bytes;
         let algorithm = match choice {
             AlgoChoice::Auto => match config.choose(AlgoChoice::Auto, total, world, link) {
                 Algorithm::TwoStage => Algorithm::TwoStage,
+                Algorithm::PushLl if total <= ll_zone => Algorithm::PushLl,
                 _ => Algorithm::OneStage,
             },
             AlgoChoice::OneStage => Algorithm::OneStage,
             AlgoChoice::TwoStage => Algorithm::TwoStage,
+            AlgoChoice::PushLl => Algorithm::PushLl,
             other => {
                 return Err(Error::NormAlgorithm(
                     other.explicit().unwrap_or(Algorithm::OneStage),
@@ -88,6 +95,13 @@ impl NormPlan {
                     capacity: config.max_bytes,
                 });
             }
+            if algorithm == Algorithm::PushLl && total > ll_zone {
+                return Err(Error::ZoneTooSmall {
+                    algorithm,
+                    bytes: total,
+                    capacity: ll_zone,
+                });
+            }
             let rows_per_step = rows.max(1);
             return Ok(NormPlan {
                 algorithm,
@@ -98,12 +112,18 @@ impl NormPlan {
                     .clamp(1, config.blocks_cap(link)),
             });
         }
-        // Staging holds the inputs and, two-stage, scratch the sums.
-        let rows_per_step = config.max_bytes / row_bytes;
+        // Staging holds the inputs and, two-stage, scratch the sums;
+        // push_ll's landing zone holds its steps too.
+        let capacity = if algorithm == Algorithm::PushLl {
+            config.max_bytes.min(ll_zone)
+        } else {
+            config.max_bytes
+        };
+        let rows_per_step = capacity / row_bytes;
         if rows_per_step == 0 || (rows > rows_per_step && !config.chunking) {
             return Err(Error::MessageTooLarge {
                 bytes: if rows_per_step == 0 { row_bytes } else { total },
-                capacity: config.max_bytes,
+                capacity,
             });
         }
         let rows_per_step = rows_per_step.min(rows.max(1));
@@ -352,6 +372,8 @@ impl Collective {
                         capacity,
                     });
                 }
+                let (landing_offset, landing_part) =
+                    self.config.landing(plan.algorithm, self.world);
                 let mut args = NormArgs {
                     base: LaunchArgs {
                         table,
@@ -360,6 +382,8 @@ impl Collective {
                         timeout_ns: self.config.timeout_ns(),
                         rank,
                         host_error: member.mailbox.device_ptr(),
+                        landing_part,
+                        landing_offset,
                         ..Default::default()
                     },
                     rows: n as u64,
@@ -413,8 +437,10 @@ mod tests {
     #[test]
     fn plans_take_whole_rows_and_refuse_what_cannot_run() {
         let c = Config::with_max_bytes(1 << 20);
+        // Auto: push_ll, as the allreduce of the same bytes on two NVLink
+        // GPUs (the built-in table), since the rows fit its zone.
         let p = plan(&c, 3, 7168, AlgoChoice::Auto).expect("plan");
-        assert_eq!(p.algorithm, Algorithm::OneStage);
+        assert_eq!(p.algorithm, Algorithm::PushLl);
         assert_eq!(p.steps().collect::<Vec<_>>(), vec![(0, 3)]);
         assert_eq!(p.blocks, 3);
         // Row chunks of what the staging buffers hold.
@@ -436,9 +462,21 @@ mod tests {
             Err(Error::NormShape(_))
         ));
         assert!(matches!(
-            plan(&c, 1, 64, AlgoChoice::PushLl),
-            Err(Error::NormAlgorithm(Algorithm::PushLl))
+            plan(&c, 1, 64, AlgoChoice::Push),
+            Err(Error::NormAlgorithm(Algorithm::Push))
         ));
+        // push_ll: chunks of what its landing zone holds.
+        let p = plan(&c, 30, 7168, AlgoChoice::PushLl).expect("plan");
+        assert_eq!(p.algorithm, Algorithm::PushLl);
+        assert_eq!(p.rows_per_step, c.push_ll_max_bytes / (7168 * 2));
+        assert_eq!(
+            p.steps().map(|s| s.1).sum::<usize>(),
+            30,
+            "every row in some step"
+        );
+        // Rows beyond push_ll's zone: Auto falls back to the pull ones.
+        let big = plan(&c, 64, 7168, AlgoChoice::Auto).expect("plan");
+        assert_ne!(big.algorithm, Algorithm::PushLl);
         let tiny = Config::with_max_bytes(256);
         assert!(matches!(
             plan(&tiny, 1, 4096, AlgoChoice::OneStage),
@@ -485,6 +523,22 @@ mod tests {
         assert!(matches!(
             zc(fits + 1, AlgoChoice::TwoStage),
             Err(Error::ScratchTooSmall { .. })
+        ));
+        // push_ll needs the rows to fit its landing zone.
+        let ll_fits = c.push_ll_max_bytes / (7168 * 2);
+        assert_eq!(
+            zc(ll_fits, AlgoChoice::PushLl)
+                .expect("plan")
+                .steps()
+                .count(),
+            1
+        );
+        assert!(matches!(
+            zc(ll_fits + 1, AlgoChoice::PushLl),
+            Err(Error::ZoneTooSmall {
+                algorithm: Algorithm::PushLl,
+                ..
+            })
         ));
         assert_eq!(
             zc(0, AlgoChoice::Auto)

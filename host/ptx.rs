@@ -50,7 +50,8 @@ pub enum Op {
     /// The allreduce (`allreduce_*`, one [`LaunchArgs`]).
     Allreduce,
     /// The fused allreduce + residual add + RMSNorm
-    /// (`allreduce_rmsnorm_*`, one [`NormArgs`]; one-stage and two-stage).
+    /// (`allreduce_rmsnorm_*`, one [`NormArgs`]; one-stage, two-stage and
+    /// push_ll).
     AddRmsNorm,
 }
 
@@ -59,7 +60,7 @@ impl Op {
     pub fn algorithms(self) -> &'static [Algorithm] {
         match self {
             Op::Allreduce => &Algorithm::ALL,
-            Op::AddRmsNorm => &[Algorithm::OneStage, Algorithm::TwoStage],
+            Op::AddRmsNorm => &[Algorithm::OneStage, Algorithm::TwoStage, Algorithm::PushLl],
         }
     }
 }

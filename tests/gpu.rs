@@ -1892,9 +1892,14 @@ fn ipc_child(rank: usize) -> i32 {
         .iter()
         .enumerate()
         {
-            for (j, algo) in [AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto]
-                .into_iter()
-                .enumerate()
+            for (j, algo) in [
+                AlgoChoice::OneStage,
+                AlgoChoice::TwoStage,
+                AlgoChoice::PushLl,
+                AlgoChoice::Auto,
+            ]
+            .into_iter()
+            .enumerate()
             {
                 let c = NormCase {
                     dtype: Dtype::F32,
@@ -1934,9 +1939,13 @@ fn ipc_child(rank: usize) -> i32 {
         let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         let mut fused_zero_copy = 0;
         for (k, &(rows, hidden)) in [(1usize, 7168usize), (3, 7), (5, 4096)].iter().enumerate() {
-            for (j, algo) in [AlgoChoice::OneStage, AlgoChoice::TwoStage]
-                .into_iter()
-                .enumerate()
+            for (j, algo) in [
+                AlgoChoice::OneStage,
+                AlgoChoice::TwoStage,
+                AlgoChoice::PushLl,
+            ]
+            .into_iter()
+            .enumerate()
             {
                 let c = NormCase {
                     dtype: Dtype::F32,
@@ -2386,7 +2395,12 @@ fn fused_add_rmsnorm(g: &Gpu) {
                     &[0, 1, 3, 64]
                 };
                 for &rows in row_counts {
-                    for algo in [AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto] {
+                    for algo in [
+                        AlgoChoice::OneStage,
+                        AlgoChoice::TwoStage,
+                        AlgoChoice::PushLl,
+                        AlgoChoice::Auto,
+                    ] {
                         let c = NormCase {
                             dtype,
                             world,
@@ -2419,7 +2433,7 @@ fn fused_add_rmsnorm(g: &Gpu) {
         (4usize, NORM_EPS, AlgoChoice::Auto, "10 elements, hidden 4"),
         (2, f32::NAN, AlgoChoice::Auto, "eps NaN"),
         (2, -1.0, AlgoChoice::Auto, "eps < 0"),
-        (2, NORM_EPS, AlgoChoice::PushLl, "push_ll"),
+        (2, NORM_EPS, AlgoChoice::Push, "push"),
     ] {
         let gv = gm.slice(0..hidden);
         let r = grp.allreduce_add_rmsnorm(
@@ -2432,7 +2446,7 @@ fn fused_add_rmsnorm(g: &Gpu) {
             algo,
         );
         let ok = match algo {
-            AlgoChoice::PushLl => matches!(r, Err(Error::NormAlgorithm(Algorithm::PushLl))),
+            AlgoChoice::Push => matches!(r, Err(Error::NormAlgorithm(Algorithm::Push))),
             _ => matches!(r, Err(Error::NormShape(_))),
         };
         assert!(ok, "{what}: {r:?}");
@@ -2448,7 +2462,12 @@ fn fused_add_rmsnorm(g: &Gpu) {
         let world = place.len();
         let (pg, streams) = peer_setup(&ctxs, &place, Config::with_max_bytes(1 << 20));
         for rows in [0usize, 1, 3, 64] {
-            for algo in [AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto] {
+            for algo in [
+                AlgoChoice::OneStage,
+                AlgoChoice::TwoStage,
+                AlgoChoice::PushLl,
+                AlgoChoice::Auto,
+            ] {
                 let c = NormCase {
                     dtype: Dtype::Bf16,
                     world,

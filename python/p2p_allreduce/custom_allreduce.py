@@ -246,7 +246,9 @@ class CustomAllreduce:
         order of docs/numerics.md (batch-invariant, identical on every
         rank). ``x`` and ``residual``: ``rows x hidden`` (any shape with
         that many elements), ``weight``: ``hidden`` elements, all one dtype.
-        Returns ``(out, residual)``. "auto", "one_stage" or "two_stage".
+        Returns ``(out, residual)``. "auto", "one_stage", "two_stage" or
+        "push_ll" (flag-in-data lines: no barrier; the rows must fit its
+        landing zone when zero-copy).
         Routes as ``allreduce``: zero-copy inside ``capture()`` and for
         ``x`` inside a registered buffer, staged otherwise."""
         g = self._group()
@@ -278,7 +280,7 @@ class CustomAllreduce:
                 route = "captured"
             elif g.is_registered(x.data_ptr()):
                 route = "registered"
-        algo = algorithm or (self.algorithm if self.algorithm in ("one_stage", "two_stage") else "auto")
+        algo = algorithm or (self.algorithm if self.algorithm in ("one_stage", "two_stage", "push_ll") else "auto")
         used = g.allreduce_add_rmsnorm(
             route, stream, dt, x.numel() // hidden, hidden, float(eps), x.data_ptr(), res.data_ptr(), w.data_ptr(),
             o.data_ptr(), algo,

@@ -208,7 +208,7 @@ def correctness(c, ca):
                     same_bits(buf[at : at + n], c.ref(n, dtype, seed), f"registered in place {dtype} n={n}")
             # The fused call reads its input from the registered buffer too.
             for rows, hidden in [(1, 7168), (3, 7), (4, 4096)]:
-                for algo in ["one_stage", "two_stage"]:
+                for algo in ["one_stage", "two_stage", "push_ll"]:
                     seed += 1
                     n = rows * hidden
                     buf[:n] = rank_input(c.rank, n, dtype, seed, exp=40).to(c.dev)
@@ -308,7 +308,7 @@ def correctness(c, ca):
         nonlocal seed
         for dtype in DTYPES:
             for rows, hidden in [(0, 7168), (1, 7168), (3, 7), (5, 1), (64, 4096), (17, 5120), (2, 8192), (300, 128), (7, 1000)]:
-                for algo in ["auto", "one_stage", "two_stage"]:
+                for algo in ["auto", "one_stage", "two_stage", "push_ll"]:
                     seed += 1
                     n = rows * hidden
                     # Exponents within +-40: no sum of squares overflows.
@@ -328,7 +328,7 @@ def correctness(c, ca):
 
     c.run("eager staged, in place and out of place, all dtypes and algorithms", eager)
     c.run("misaligned views", misaligned)
-    c.run("fused allreduce + residual add + RMSNorm, every hidden size, both algorithms", fused)
+    c.run("fused allreduce + residual add + RMSNorm, every hidden size, every algorithm", fused)
     c.run("registered buffers (zero-copy), two offsets", registered)
     c.run("CUDA graphs, zero-copy capture, new data each replay", lambda: graphs(True))
     c.run("CUDA graphs, staged capture, new data each replay", lambda: graphs(False))

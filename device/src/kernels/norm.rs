@@ -1,31 +1,217 @@
 //! Fused allreduce + residual add + RMSNorm (`allreduce_rmsnorm_*`): the
-//! one-stage and two-stage pull algorithms, by whole rows, with the exact
-//! operation order of docs/numerics.md.
+//! one-stage and two-stage pull algorithms and push_ll (flag-in-data
+//! lines, no barrier), by whole rows, with the exact operation order of
+//! docs/numerics.md.
 
 use super::*;
 use crate::abi::{NormArgs, NORM_CHUNK, NORM_MAX_HIDDEN};
 use crate::norm_tree::{combine_quarters, warp_adds, QUARTERS, WARP};
 
-/// The rounded sums of pack `pi` (whole chunks only): the reduction of
-/// every rank's input in rank order, or (`FROM`) loaded from `from`, where
-/// the owner of the row left them (two-stage). A constant, so each kernel
-/// holds only the code (and registers) of its own case.
-///
-/// # Safety
-/// Pack `pi` of every input (or of `from`) is readable.
-#[inline(always)]
-unsafe fn sums_at<E: Element, const N: usize, const FROM: bool>(
-    inp: &[*const Pack; N],
-    from: u64,
-    pi: u64,
-) -> Pack {
-    // SAFETY: forwarded caller contract.
-    unsafe {
-        if FROM {
-            ld_pack((from as *const Pack).add(pi as usize))
-        } else {
-            reduce_at::<E, N>(inp, pi)
+/// Where a fused row's rounded sums come from: reduced from every rank's
+/// input ([`Pull`], one-stage), loaded where the row's owner left them
+/// ([`Scratch`], two-stage), or reduced from flag-in-data lines in this
+/// rank's LL zone ([`LlSums`], push_ll). A type per case, so each kernel
+/// holds only the code (and registers) of its own.
+trait RowSums {
+    /// Whether pass 1 takes two chunks per iteration, for chunks of
+    /// `per_chunk` packs: more loads in flight, more registers.
+    fn pairs(per_chunk: u64) -> bool;
+    /// The rounded sums of pack `pi` of the message.
+    ///
+    /// # Safety
+    /// Pack `pi` lies inside the message (whole rows of whole chunks).
+    unsafe fn pack<E: Element>(&mut self, pi: u64) -> Pack;
+    /// The rounded sum of element `idx` of the message, widened to f32.
+    ///
+    /// # Safety
+    /// `idx` lies inside the message.
+    unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32;
+}
+
+/// One-stage: every rank's input, reduced in rank order.
+/// `inputs` stays where it is (the pointer table in global memory) for
+/// the element path: a copy in registers cost 24 more of them (f32, 8
+/// ranks, sm_80: 147).
+struct Pull<'a, const N: usize> {
+    inp: [*const Pack; N],
+    inputs: &'a [u64; MAX_RANKS],
+}
+
+impl<'a, const N: usize> Pull<'a, N> {
+    fn new(inputs: &'a [u64; MAX_RANKS]) -> Self {
+        let mut inp = [core::ptr::null::<Pack>(); N];
+        let mut r = 0;
+        while r < N {
+            inp[r] = inputs[r] as *const Pack;
+            r += 1;
         }
+        Pull { inp, inputs }
+    }
+}
+
+impl<const N: usize> RowSums for Pull<'_, N> {
+    #[inline(always)]
+    fn pairs(per_chunk: u64) -> bool {
+        // 2 x 2 packs of N ranks fit 128 registers up to 4 ranks.
+        per_chunk == 1 || N <= 4
+    }
+    #[inline(always)]
+    unsafe fn pack<E: Element>(&mut self, pi: u64) -> Pack {
+        // SAFETY: pack `pi` of every input is readable (caller contract).
+        unsafe { reduce_at::<E, N>(&self.inp, pi) }
+    }
+    #[inline(always)]
+    unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32 {
+        // SAFETY: element idx of every input is readable (caller contract).
+        unsafe {
+            let mut s = E::to_f32(ld_elem::<E>(self.inputs[0], idx));
+            let mut r = 1;
+            while r < N {
+                s += E::to_f32(ld_elem::<E>(self.inputs[r], idx));
+                r += 1;
+            }
+            E::to_f32(E::from_f32(s))
+        }
+    }
+}
+
+/// Two-stage: the rounded sums the row's owner stored.
+struct Scratch(u64);
+
+impl RowSums for Scratch {
+    #[inline(always)]
+    fn pairs(_: u64) -> bool {
+        true
+    }
+    #[inline(always)]
+    unsafe fn pack<E: Element>(&mut self, pi: u64) -> Pack {
+        // SAFETY: pack `pi` of the owner's scratch (caller contract).
+        unsafe { ld_pack((self.0 as *const Pack).add(pi as usize)) }
+    }
+    #[inline(always)]
+    unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32 {
+        // SAFETY: element `idx` of the owner's scratch (caller contract).
+        E::to_f32(unsafe { ld_elem::<E>(self.0, idx) })
+    }
+}
+
+/// push_ll: this rank's own input, and each peer's packs waited for in this
+/// rank's LL zone (the slot of `epoch`), in rank order. A wait that times
+/// out records the error, counts as zeros and sets `failed`; the caller
+/// leaves once the block agrees (`bar.sync` with a predicate).
+struct LlSums<const N: usize> {
+    own_in: u64,
+    /// This rank's LL zone.
+    zone: u64,
+    landing_part: u64,
+    epoch: u32,
+    rank: u32,
+    /// `count` of the launch: the last pack is zero-padded past it.
+    count: u64,
+    timeout_ns: u64,
+    own_sig: u64,
+    host_error: u64,
+    block: u32,
+    failed: bool,
+}
+
+impl<const N: usize> LlSums<N> {
+    /// Pack `pi` of source `r`.
+    ///
+    /// # Safety
+    /// `pi < ceil(count / lanes)`; the zone is this rank's (contract).
+    #[inline(always)]
+    unsafe fn source<E: Element>(&mut self, r: usize, pi: u64) -> Pack {
+        if r as u32 == self.rank {
+            // SAFETY: pack `pi` of this rank's input (caller contract).
+            return unsafe { super::push_ll::ld_pack_upto::<E>(self.own_in, pi, self.count) };
+        }
+        let part = crate::ll::slot(self.epoch, N as u64, r as u64, self.landing_part);
+        let slot = super::push_ll::GpuSlot(self.zone + part + pi * crate::ll::LL_PACK_BYTES as u64);
+        match crate::ll::wait_pack(&slot, self.epoch, self.timeout_ns, &mut GlobalTimer) {
+            Some(p) => p,
+            None => {
+                if !self.failed {
+                    // The data is the arrival: reported as the Start
+                    // barrier's, as push_ll does.
+                    // SAFETY: `own_sig` is this rank's own signal.
+                    unsafe {
+                        record_error(
+                            self.own_sig,
+                            self.host_error,
+                            error_code::PEER_TIMEOUT,
+                            self.rank,
+                            self.block,
+                            r as u32,
+                            self.epoch,
+                            BarrierKind::Start as u32,
+                        )
+                    };
+                }
+                self.failed = true;
+                [0; 4]
+            }
+        }
+    }
+}
+
+impl<const N: usize> RowSums for LlSums<N> {
+    #[inline(always)]
+    fn pairs(_: u64) -> bool {
+        // Waits poll one pack at a time, and two chunks' lines and waits
+        // took up to 140 registers (ptxas, sm_120): over the 128 of a
+        // 512-thread block.
+        false
+    }
+    #[inline(always)]
+    unsafe fn pack<E: Element>(&mut self, pi: u64) -> Pack {
+        // Rank order, seeded with rank 0's values, each source added as it
+        // arrives (no array of N packs).
+        let mut acc = [0f32; 8];
+        let mut r = 0;
+        while r < N {
+            // SAFETY: forwarded caller contract.
+            let x = E::unpack(unsafe { self.source::<E>(r, pi) });
+            let mut l = 0;
+            while l < 8 {
+                acc[l] = if r == 0 { x[l] } else { acc[l] + x[l] };
+                l += 1;
+            }
+            r += 1;
+        }
+        E::pack(&acc)
+    }
+    #[inline(always)]
+    unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32 {
+        let lanes = E::LANES as u64;
+        let (pi, k) = (idx / lanes, idx % lanes);
+        let mut s = 0f32;
+        let mut r = 0;
+        while r < N {
+            // SAFETY: forwarded caller contract (pi < ceil(count / lanes)).
+            let p = unsafe { self.source::<E>(r, pi) };
+            // Words chosen by comparisons: a run-time index into the pack
+            // would put it in local memory.
+            let w = if E::LANES == 4 { k } else { k / 2 };
+            let word = if w == 0 {
+                p[0]
+            } else if w == 1 {
+                p[1]
+            } else if w == 2 {
+                p[2]
+            } else {
+                p[3]
+            };
+            let bits = if E::LANES == 4 {
+                word
+            } else {
+                (word >> (16 * (k % 2))) & 0xffff
+            };
+            let x = E::to_f32(bits);
+            s = if r == 0 { x } else { s + x };
+            r += 1;
+        }
+        E::to_f32(E::from_f32(s))
     }
 }
 
@@ -65,21 +251,19 @@ unsafe fn add_pack<E: Element>(
 }
 
 /// Row `row` of the fused operation, by every thread of the block: the
-/// rounded sums (reduced from `inputs`, or with `FROM` loaded from `from`), the
-/// residual add, the sum of squares (chunk partials in shared memory `sh`,
+/// rounded sums (from `sums`, [`RowSums`]), the residual add, the sum of squares (chunk partials in shared memory `sh`,
 /// then the pairwise tree), and the normed row into `res_out` and `normed`.
 ///
 /// # Safety
-/// Every pointer is valid for the row's elements (the inputs or `from`,
+/// Every pointer is valid for the row's elements (the sums' sources,
 /// `res_in`, `res_out`, `normed`; `gamma` for `hidden`); `sh` is the
 /// block's shared array of at least `ceil(hidden / 8)` words; `hidden <=
 /// NORM_MAX_HIDDEN`; every thread of the block calls it (it contains
 /// `bar.sync`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn norm_row<E: Element, const N: usize, const FROM: bool>(
-    inputs: &[u64; MAX_RANKS],
-    from: u64,
+unsafe fn norm_row<E: Element, S: RowSums>(
+    sums: &mut S,
     res_in: u64,
     res_out: u64,
     gamma: u64,
@@ -99,19 +283,13 @@ unsafe fn norm_row<E: Element, const N: usize, const FROM: bool>(
     let packed = hidden % CH == 0;
     let lanes = E::LANES as u64;
     let per_chunk = CH / lanes;
-    let mut inp = [core::ptr::null::<Pack>(); N];
-    let mut r = 0;
-    while r < N {
-        inp[r] = inputs[r] as *const Pack;
-        r += 1;
-    }
     let res_p = res_in as *const Pack;
     // Pass 1: sums, residual add, squares of each chunk in column order.
     let mut k = tid;
     // Two chunks per iteration where the registers allow (one pack per
     // chunk, or few ranks): both chunks' loads are in flight before the
     // first add, one remote round trip instead of two.
-    if packed && (per_chunk == 1 || N <= 4) {
+    if packed && S::pairs(per_chunk) {
         while k + nthreads < chunks {
             let (ka, kb) = (k, k + nthreads);
             let mut acc_a = 0f32;
@@ -122,10 +300,7 @@ unsafe fn norm_row<E: Element, const N: usize, const FROM: bool>(
                 let pb = (base + kb * CH) / lanes + m;
                 // SAFETY: packs pa, pb lie inside the row of every buffer.
                 unsafe {
-                    let (sa, sb) = (
-                        sums_at::<E, N, FROM>(&inp, from, pa),
-                        sums_at::<E, N, FROM>(&inp, from, pb),
-                    );
+                    let (sa, sb) = (sums.pack::<E>(pa), sums.pack::<E>(pb));
                     let (ra, rb) = (
                         ld_pack(res_p.add(pa as usize)),
                         ld_pack(res_p.add(pb as usize)),
@@ -152,7 +327,7 @@ unsafe fn norm_row<E: Element, const N: usize, const FROM: bool>(
                 let pi = (base + c0) / lanes + m;
                 // SAFETY: pack pi lies inside the row of every buffer.
                 unsafe {
-                    let s = sums_at::<E, N, FROM>(&inp, from, pi);
+                    let s = sums.pack::<E>(pi);
                     let r = ld_pack(res_p.add(pi as usize));
                     acc = add_pack::<E>(s, r, res_out, pi, acc, m == 0);
                 }
@@ -165,17 +340,7 @@ unsafe fn norm_row<E: Element, const N: usize, const FROM: bool>(
                 let idx = base + c;
                 // SAFETY: idx is inside the row of every buffer (contract).
                 let q = unsafe {
-                    let sum = if FROM {
-                        E::to_f32(ld_elem::<E>(from, idx))
-                    } else {
-                        let mut s = E::to_f32(ld_elem::<E>(inputs[0], idx));
-                        let mut r = 1;
-                        while r < N {
-                            s += E::to_f32(ld_elem::<E>(inputs[r], idx));
-                            r += 1;
-                        }
-                        E::to_f32(E::from_f32(s))
-                    };
+                    let sum = sums.elem::<E>(idx);
                     let ro = E::from_f32(sum + E::to_f32(ld_elem::<E>(res_in, idx)));
                     st_elem::<E>(res_out, idx, ro);
                     E::to_f32(ro)
@@ -465,7 +630,10 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     // owner (two-stage), then this rank's residual add and RMSNorm.
     let mut row = block as u64;
     while row < rows {
-        let from = if TWO_STAGE {
+        // SAFETY (both arms): row < rows: inside every buffer (contract);
+        // `sh` is this block's shared array; hidden <= NORM_MAX_HIDDEN
+        // (checked).
+        if TWO_STAGE {
             // The owner of `row`: partitions are contiguous and ordered.
             let mut owner = 0usize;
             let mut q = 1;
@@ -475,17 +643,20 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
                 }
                 q += 1;
             }
-            t.scratch[owner]
+            let mut sums = Scratch(t.scratch[owner]);
+            unsafe {
+                norm_row::<E, _>(
+                    &mut sums, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
+                )
+            };
         } else {
-            0
-        };
-        // SAFETY: row < rows: inside every buffer (contract); `sh` is this
-        // block's shared array; hidden <= NORM_MAX_HIDDEN (checked).
-        unsafe {
-            norm_row::<E, N, TWO_STAGE>(
-                &t.inputs, from, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
-            )
-        };
+            let mut sums = Pull::<N>::new(&t.inputs);
+            unsafe {
+                norm_row::<E, _>(
+                    &mut sums, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
+                )
+            };
+        }
         row += nblocks as u64;
     }
     if !TWO_STAGE {
@@ -494,6 +665,157 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
         // SAFETY: as for Start.
         unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::End, epoch) };
     }
+}
+
+/// One rank's part of a fused push_ll collective, by every thread of every
+/// block: every thread sends its packs of this rank's input (all rows,
+/// grid-stride) as flag-in-data lines into every peer's LL zone, as
+/// push_ll does; then block b takes rows b, b + nblocks, ..., waiting for
+/// each peer's packs of the row in its own zone and reducing them in rank
+/// order with its own input, then adds its residual and normalises, as
+/// one-stage does (the same arithmetic, so the same bits). No barrier and
+/// no flag: the data is the arrival. A wait that times out leaves an error
+/// record; the block leaves after that row.
+///
+/// # Safety
+/// As for the push_ll allreduce ([`super::push_ll`]) and the fused
+/// one-stage ([`allreduce_rmsnorm`]), with `p` filled as [`NormArgs`]
+/// says: `a.count == rows * hidden`, the LL zone's parts hold
+/// `ceil(a.count / lanes)` packs.
+#[inline(always)]
+unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u32) {
+    let a = &p.base;
+    let (rows, hidden) = (p.rows, p.hidden);
+    if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
+        return;
+    }
+    if hidden as usize > NORM_MAX_HIDDEN || rows.checked_mul(hidden) != Some(a.count) {
+        if thread_idx_x() == 0 {
+            let own_sig = pick::<N>(&a.signals, rank);
+            // SAFETY: `own_sig` is this rank's own signal (contract).
+            unsafe {
+                record_error(
+                    own_sig,
+                    a.host_error,
+                    error_code::BAD_LAUNCH,
+                    rank,
+                    block_idx_x(),
+                    0,
+                    0,
+                    0,
+                )
+            };
+        }
+        return;
+    }
+    // SAFETY: the launch contract.
+    let Some(PushStart {
+        own_sig,
+        own_in,
+        block,
+        nblocks,
+        tid,
+        nthreads,
+        epoch,
+    }) = (unsafe { push_start::<N>(a, rank, false) })
+    else {
+        return;
+    };
+    let g = (block * nthreads + tid) as u64;
+    let stride = (nblocks * nthreads) as u64;
+    // SAFETY: the launch contract (zone and input sizes).
+    unsafe { super::push_ll::ll_send::<E, N>(a, rank, own_in, epoch, g, stride) };
+    // Every thread of the block read the old epoch; commit the new one.
+    sync_threads();
+    // SAFETY: own signal; every thread of the block, after the bar.sync.
+    unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
+
+    let sh = norm_shared();
+    let res_in = pick::<N>(&p.residual, rank);
+    let res_out = pick::<N>(&p.residual_out, rank);
+    let gamma = pick::<N>(&p.gamma, rank);
+    let normed = pick::<N>(&a.outputs, rank);
+    let mut sums = LlSums::<N> {
+        own_in,
+        zone: own_sig + a.landing_offset,
+        landing_part: a.landing_part,
+        epoch,
+        rank,
+        count: a.count,
+        timeout_ns: a.timeout_ns,
+        own_sig,
+        host_error: a.host_error,
+        block,
+        failed: false,
+    };
+    let mut row = block as u64;
+    while row < rows {
+        // SAFETY: row < rows: inside every buffer and the zone's parts
+        // (contract); `sh` is this block's shared array; hidden <=
+        // NORM_MAX_HIDDEN (checked).
+        unsafe {
+            norm_row::<E, _>(
+                &mut sums, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
+            )
+        };
+        if sync_threads_or(sums.failed) {
+            return;
+        }
+        row += nblocks as u64;
+    }
+}
+
+macro_rules! ll_norm_entries {
+    ($( $name:ident, $vname:ident: $E:ty, $N:literal; )*) => { $(
+        /// A real-rank fused push_ll entry: this rank is `p.base.rank`.
+        ///
+        /// # Safety
+        /// Launched by the host under the launch contract of the module
+        /// documentation, with `p` filled as `allreduce_rmsnorm_ll`
+        /// requires.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(p: NormArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce_rmsnorm_ll::<$E, $N>(&p, p.base.rank) }
+        }
+        /// A virtual-rank fused push_ll entry: this rank is `blockIdx.y`.
+        ///
+        /// # Safety
+        /// As for the real-rank entry, with `gridDim.y == N` and every
+        /// block co-resident.
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $vname(p: NormArgs) {
+            // SAFETY: the launch contract is the caller's.
+            unsafe { allreduce_rmsnorm_ll::<$E, $N>(&p, block_idx_y()) }
+        }
+    )* };
+}
+
+ll_norm_entries! {
+    allreduce_rmsnorm_push_ll_f32_w1, allreduce_rmsnorm_push_ll_f32_w1_virtual: F32, 1;
+    allreduce_rmsnorm_push_ll_f32_w2, allreduce_rmsnorm_push_ll_f32_w2_virtual: F32, 2;
+    allreduce_rmsnorm_push_ll_f32_w3, allreduce_rmsnorm_push_ll_f32_w3_virtual: F32, 3;
+    allreduce_rmsnorm_push_ll_f32_w4, allreduce_rmsnorm_push_ll_f32_w4_virtual: F32, 4;
+    allreduce_rmsnorm_push_ll_f32_w5, allreduce_rmsnorm_push_ll_f32_w5_virtual: F32, 5;
+    allreduce_rmsnorm_push_ll_f32_w6, allreduce_rmsnorm_push_ll_f32_w6_virtual: F32, 6;
+    allreduce_rmsnorm_push_ll_f32_w7, allreduce_rmsnorm_push_ll_f32_w7_virtual: F32, 7;
+    allreduce_rmsnorm_push_ll_f32_w8, allreduce_rmsnorm_push_ll_f32_w8_virtual: F32, 8;
+    allreduce_rmsnorm_push_ll_f16_w1, allreduce_rmsnorm_push_ll_f16_w1_virtual: F16, 1;
+    allreduce_rmsnorm_push_ll_f16_w2, allreduce_rmsnorm_push_ll_f16_w2_virtual: F16, 2;
+    allreduce_rmsnorm_push_ll_f16_w3, allreduce_rmsnorm_push_ll_f16_w3_virtual: F16, 3;
+    allreduce_rmsnorm_push_ll_f16_w4, allreduce_rmsnorm_push_ll_f16_w4_virtual: F16, 4;
+    allreduce_rmsnorm_push_ll_f16_w5, allreduce_rmsnorm_push_ll_f16_w5_virtual: F16, 5;
+    allreduce_rmsnorm_push_ll_f16_w6, allreduce_rmsnorm_push_ll_f16_w6_virtual: F16, 6;
+    allreduce_rmsnorm_push_ll_f16_w7, allreduce_rmsnorm_push_ll_f16_w7_virtual: F16, 7;
+    allreduce_rmsnorm_push_ll_f16_w8, allreduce_rmsnorm_push_ll_f16_w8_virtual: F16, 8;
+    allreduce_rmsnorm_push_ll_bf16_w1, allreduce_rmsnorm_push_ll_bf16_w1_virtual: Bf16, 1;
+    allreduce_rmsnorm_push_ll_bf16_w2, allreduce_rmsnorm_push_ll_bf16_w2_virtual: Bf16, 2;
+    allreduce_rmsnorm_push_ll_bf16_w3, allreduce_rmsnorm_push_ll_bf16_w3_virtual: Bf16, 3;
+    allreduce_rmsnorm_push_ll_bf16_w4, allreduce_rmsnorm_push_ll_bf16_w4_virtual: Bf16, 4;
+    allreduce_rmsnorm_push_ll_bf16_w5, allreduce_rmsnorm_push_ll_bf16_w5_virtual: Bf16, 5;
+    allreduce_rmsnorm_push_ll_bf16_w6, allreduce_rmsnorm_push_ll_bf16_w6_virtual: Bf16, 6;
+    allreduce_rmsnorm_push_ll_bf16_w7, allreduce_rmsnorm_push_ll_bf16_w7_virtual: Bf16, 7;
+    allreduce_rmsnorm_push_ll_bf16_w8, allreduce_rmsnorm_push_ll_bf16_w8_virtual: Bf16, 8;
 }
 
 macro_rules! norm_entries {

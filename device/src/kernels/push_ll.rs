@@ -8,7 +8,7 @@ use super::*;
 use crate::ll::{self, Lines, PackSlot, LL_PACK_BYTES};
 
 /// One pack of a landing zone in GPU memory.
-struct GpuSlot(u64);
+pub(super) struct GpuSlot(pub(super) u64);
 
 impl PackSlot for GpuSlot {
     #[inline(always)]
@@ -36,7 +36,7 @@ impl PackSlot for GpuSlot {
 /// `base` must be a 16-byte aligned global address valid for reads of
 /// elements `0 .. count`, and `i < ceil(count / lanes)`.
 #[inline(always)]
-unsafe fn ld_pack_upto<E: Element>(base: u64, i: u64, count: u64) -> Pack {
+pub(super) unsafe fn ld_pack_upto<E: Element>(base: u64, i: u64, count: u64) -> Pack {
     let lanes = E::LANES as u64;
     if (i + 1) * lanes <= count {
         // SAFETY: the whole pack is inside the buffer (caller contract).
@@ -84,6 +84,49 @@ unsafe fn st_pack_upto<E: Element>(base: u64, i: u64, count: u64, p: Pack) {
     }
 }
 
+/// Sends packs `g, g + stride, ...` of this rank's input (`a.count`
+/// elements; the last pack zero-padded) as flag-in-data lines of `epoch`
+/// into this rank's part of every peer's LL zone (slot by the epoch's
+/// parity, [`ll::slot`]).
+///
+/// # Safety
+/// As for [`allreduce_push_ll`]: `own_in` holds `a.count` elements, and
+/// every rank's signal allocation holds an LL zone whose parts hold
+/// `ceil(a.count / lanes)` LL packs.
+#[inline(always)]
+pub(super) unsafe fn ll_send<E: Element, const N: usize>(
+    a: &LaunchArgs,
+    rank: u32,
+    own_in: u64,
+    epoch: u32,
+    g: u64,
+    stride: u64,
+) {
+    let packs = a.count.div_ceil(E::LANES as u64);
+    let part = ll::slot(epoch, N as u64, rank as u64, a.landing_part);
+    let mut dst = [0u64; MAX_RANKS];
+    let mut p = 0;
+    while p < N {
+        dst[p] = pick::<N>(&a.signals, p as u32) + a.landing_offset + part;
+        p += 1;
+    }
+    let mut i = g;
+    while i < packs {
+        // SAFETY: i < packs = ceil(count / lanes): inside this rank's input
+        // (count elements, contract) and inside every peer's part, which
+        // holds `packs` LL packs (contract).
+        let lines = ll::encode(unsafe { ld_pack_upto::<E>(own_in, i, a.count) }, epoch);
+        let mut p = 0;
+        while p < N {
+            if p as u32 != rank {
+                GpuSlot(dst[p] + i * LL_PACK_BYTES as u64).store(lines);
+            }
+            p += 1;
+        }
+        i += stride;
+    }
+}
+
 /// One rank's part of a PushLl collective ([`Algorithm::PushLl`]), run by
 /// every thread of every block of the launch. Thread `g` of the grid owns
 /// packs `g, g + stride, ...`: it sends them to every peer, then waits for
@@ -120,27 +163,8 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
     let part = |src: u64| ll::slot(epoch, N as u64, src, a.landing_part);
 
     // Phase 1: this rank's packs into its part of every peer's zone.
-    let mut dst = [0u64; MAX_RANKS];
-    let mut p = 0;
-    while p < N {
-        dst[p] = pick::<N>(&a.signals, p as u32) + a.landing_offset + part(rank as u64);
-        p += 1;
-    }
-    let mut i = g;
-    while i < packs {
-        // SAFETY: i < packs = ceil(count / lanes): inside this rank's input
-        // (count elements, contract) and inside every peer's part, which
-        // holds `packs` LL packs (contract).
-        let lines = ll::encode(unsafe { ld_pack_upto::<E>(own_in, i, a.count) }, epoch);
-        let mut p = 0;
-        while p < N {
-            if p as u32 != rank {
-                GpuSlot(dst[p] + i * LL_PACK_BYTES as u64).store(lines);
-            }
-            p += 1;
-        }
-        i += stride;
-    }
+    // SAFETY: the launch contract.
+    unsafe { ll_send::<E, N>(a, rank, own_in, epoch, g, stride) };
 
     // Every thread of the block read the old epoch; commit the new one.
     sync_threads();

@@ -136,7 +136,13 @@ fn measure_world(
     hidden: usize,
 ) -> Result<Vec<FusedRow>> {
     let max_rows = ROWS[ROWS.len() - 1];
-    let cfg = Config::with_max_bytes((2 * max_rows * hidden * 2).next_multiple_of(1 << 20));
+    // push_ll's zone holds up to 64 rows, so `fused push_ll` runs in one
+    // launch through the decode range (rows 1..64); Auto's choice for the
+    // allreduce rows is by size, as with the default zone.
+    let cfg = Config {
+        push_ll_max_bytes: (64 * hidden * 4).next_multiple_of(4096),
+        ..Config::with_max_bytes((2 * max_rows * hidden * 2).next_multiple_of(1 << 20))
+    };
     let timing = Timing {
         per_graph: args.per_graph,
         warmup: args.warmup_iters,
@@ -182,6 +188,7 @@ fn measure_world(
         for what in [
             "fused one_stage",
             "fused two_stage",
+            "fused push_ll",
             "fused auto",
             "unfused",
             "allreduce",
@@ -201,6 +208,7 @@ fn measure_world(
                 let algo = match what {
                     "fused one_stage" => AlgoChoice::OneStage,
                     "fused two_stage" => AlgoChoice::TwoStage,
+                    "fused push_ll" => AlgoChoice::PushLl,
                     _ => AlgoChoice::Auto,
                 };
                 if what.starts_with("fused") {
