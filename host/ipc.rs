@@ -17,7 +17,9 @@ use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
 const MAGIC: u32 = 0x7032_7061; // "p2pa"
-const VERSION: u32 = 5;
+/// Bumped whenever what peers share changes shape: 6 for the 12 KiB
+/// signal (push_islands' Back and Relay flags) and its landing zone.
+const VERSION: u32 = 6;
 pub(crate) const HANDLE: usize = IPC_HANDLE_BYTES;
 /// Bytes of the PCI bus id field (`dddd:bb:dd.f`, NUL padded).
 const BUS_ID: usize = 16;
