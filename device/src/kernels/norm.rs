@@ -299,12 +299,14 @@ unsafe fn norm_row<E: Element, S: RowSums>(
                 let pa = (base + ka * CH) / lanes + m;
                 let pb = (base + kb * CH) / lanes + m;
                 // SAFETY: packs pa, pb lie inside the row of every buffer.
+                // The residuals first: their loads are then in flight while
+                // the sums arrive (push_ll: while the lines are waited for).
                 unsafe {
-                    let (sa, sb) = (sums.pack::<E>(pa), sums.pack::<E>(pb));
                     let (ra, rb) = (
                         ld_pack(res_p.add(pa as usize)),
                         ld_pack(res_p.add(pb as usize)),
                     );
+                    let (sa, sb) = (sums.pack::<E>(pa), sums.pack::<E>(pb));
                     acc_a = add_pack::<E>(sa, ra, res_out, pa, acc_a, m == 0);
                     acc_b = add_pack::<E>(sb, rb, res_out, pb, acc_b, m == 0);
                 }
@@ -326,9 +328,10 @@ unsafe fn norm_row<E: Element, S: RowSums>(
             while m < per_chunk {
                 let pi = (base + c0) / lanes + m;
                 // SAFETY: pack pi lies inside the row of every buffer.
+                // The residual first, as above.
                 unsafe {
-                    let s = sums.pack::<E>(pi);
                     let r = ld_pack(res_p.add(pi as usize));
+                    let s = sums.pack::<E>(pi);
                     acc = add_pack::<E>(s, r, res_out, pi, acc, m == 0);
                 }
                 m += 1;
@@ -354,6 +357,24 @@ unsafe fn norm_row<E: Element, S: RowSums>(
         unsafe { write_volatile(sh.add(k as usize), acc) };
         k += nthreads;
     }
+    // The first chunk's pass-2 operands (the residual out this thread
+    // stored, gamma), loaded before the tree so their latency hides behind
+    // it. At most 2 packs each (a chunk is 8 elements).
+    let mut pre_q = [[0u32; 4]; 2];
+    let mut pre_g = [[0u32; 4]; 2];
+    if packed && tid < chunks {
+        let mut m = 0;
+        while m < per_chunk {
+            // SAFETY: chunk `tid` of the row, as in pass 2 below.
+            unsafe {
+                pre_q[m as usize] =
+                    ld_pack((res_out as *const Pack).add(((base + tid * CH) / lanes + m) as usize));
+                pre_g[m as usize] =
+                    ld_pack((gamma as *const Pack).add((tid * CH / lanes + m) as usize));
+            }
+            m += 1;
+        }
+    }
     sync_threads();
     // SAFETY: `sh` holds the `chunks` partials; every thread of the block.
     let total = unsafe { tree_sum(sh, chunks) };
@@ -369,10 +390,15 @@ unsafe fn norm_row<E: Element, S: RowSums>(
                 // SAFETY: as in pass 1; gamma pack c0 / lanes + m < hidden /
                 // lanes.
                 unsafe {
-                    let q = E::unpack(ld_pack((res_out as *const Pack).add(pi as usize)));
-                    let g = E::unpack(ld_pack(
-                        (gamma as *const Pack).add((c0 / lanes + m) as usize),
-                    ));
+                    let (qp, gp) = if k == tid {
+                        (pre_q[m as usize], pre_g[m as usize])
+                    } else {
+                        (
+                            ld_pack((res_out as *const Pack).add(pi as usize)),
+                            ld_pack((gamma as *const Pack).add((c0 / lanes + m) as usize)),
+                        )
+                    };
+                    let (q, g) = (E::unpack(qp), E::unpack(gp));
                     let mut n = [0f32; 8];
                     let mut l = 0;
                     while l < E::LANES {
