@@ -89,8 +89,8 @@ pub const AUTO_BLOCKS_CROSS_DEVICE: u32 = 64;
 /// push_two_stage and push_islands (`2 * world * (push_max_bytes + 2 *
 /// push_ll_max_bytes)` plus about `2 * push_two_stage_max_bytes` plus
 /// about `2 * world / (world / 2) * push_two_stage_max_bytes`, i.e. 4x for
-/// an even world): the defaults cost 88 MiB plus `world` MiB of device
-/// memory per rank. Groups for small messages
+/// an even world, 6x for 3 ranks): the defaults cost 88 MiB (96 for 3
+/// ranks) plus `world` MiB of device memory per rank. Groups for small messages
 /// only can use much less, e.g. [`Config::with_max_bytes`]`(1 << 20)` with
 /// smaller landing zones.
 #[derive(Clone, Debug)]
