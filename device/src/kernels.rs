@@ -474,6 +474,88 @@ unsafe fn copy_range_as<const KEEP: bool>(
     }
 }
 
+/// push_two_stage and push_islands (one slot, parts of `a.landing_part`
+/// bytes, the tail pack `tail` bytes into a part): this rank's `s.tail`
+/// elements after its last whole pack into the tail pack of its part of
+/// every peer's zone, grid-stride.
+///
+/// # Safety
+/// `own_in` holds the message; `a.table` points to the group's
+/// [`RankTable`], whose signals each hold such a zone at
+/// `a.landing_offset`, with a tail pack of at least `s.tail` elements.
+#[inline(always)]
+unsafe fn send_tail<E: Element, const N: usize>(
+    a: &LaunchArgs,
+    rank: u32,
+    own_in: u64,
+    s: crate::reduce::Split,
+    tail: u64,
+    g: u64,
+    stride: u64,
+) {
+    // SAFETY: `a.table` points to the group's RankTable (contract).
+    let table = unsafe { &*(a.table as *const RankTable) };
+    let mut t = g;
+    while t < s.tail {
+        // SAFETY: the tail element is inside the input; the tail pack of
+        // every part holds `lanes > s.tail` elements.
+        unsafe {
+            let v = ld_elem::<E>(own_in, s.packs * E::LANES as u64 + t);
+            let mut p = 0;
+            while p < N {
+                if p as u32 != rank {
+                    let sig = read_volatile(&table.signals[p]);
+                    let at = sig + a.landing_offset + rank as u64 * a.landing_part + tail;
+                    st_elem::<E>(at, t, v);
+                }
+                p += 1;
+            }
+        }
+        t += stride;
+    }
+}
+
+/// The tail [`send_tail`] sent, after the arrivals that publish it:
+/// reduced in rank order from this rank's input and the peers' tail packs
+/// in its own zone (`zone`), into `output`.
+///
+/// # Safety
+/// As for [`send_tail`], with `zone` this rank's zone, every peer's tail
+/// pack filled before its published arrival, and `output` holding the
+/// message.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn reduce_landed_tail<E: Element, const N: usize>(
+    a: &LaunchArgs,
+    rank: u32,
+    own_in: u64,
+    zone: u64,
+    output: u64,
+    s: crate::reduce::Split,
+    tail: u64,
+    g: u64,
+    stride: u64,
+) {
+    let tail_at = s.packs * E::LANES as u64;
+    let esize = 16 / E::LANES as u64;
+    // `reduce_tail` indexes from the message start, so each peer's tail
+    // pack is addressed as if it sat at the tail's position.
+    let mut from = [0u64; MAX_RANKS];
+    let mut r = 0;
+    while r < N {
+        from[r] = if r as u32 == rank {
+            own_in
+        } else {
+            (zone + r as u64 * a.landing_part + tail).wrapping_sub(tail_at * esize)
+        };
+        r += 1;
+    }
+    // SAFETY: elements tail_at .. tail_at + tail of `from[r]` are the
+    // peer's tail pack or this input's tail; the output holds them
+    // (contract).
+    unsafe { reduce_tail::<E, N>(&from, output, tail_at, s.tail, g, stride) };
+}
+
 /// What a push-family kernel has once [`push_start`] passed.
 struct PushStart {
     own_sig: u64,

@@ -61,7 +61,6 @@ unsafe fn allreduce_push_islands<E: Element, const N: usize>(a: &LaunchArgs, ran
 
     let h = island_split(N);
     let lanes = E::LANES as u64;
-    let esize = 16 / lanes;
     let wide = partial_packs::<E>();
     let s = split(a.count, lanes);
     let g = (block * nthreads + tid) as u64;
@@ -110,22 +109,8 @@ unsafe fn allreduce_push_islands<E: Element, const N: usize>(a: &LaunchArgs, ran
         }
         k += 1;
     }
-    let mut t = g;
-    while t < s.tail {
-        // SAFETY: the tail element is inside the input; the tail pack of
-        // every part holds `lanes > s.tail` elements.
-        unsafe {
-            let v = ld_elem::<E>(own_in, s.packs * lanes + t);
-            let mut p = 0;
-            while p < N {
-                if p != r {
-                    st_elem::<E>(zone_of(p) + part(r) + layout.tail(), t, v);
-                }
-                p += 1;
-            }
-        }
-        t += stride;
-    }
+    // SAFETY: the zones hold tail packs (contract).
+    unsafe { send_tail::<E, N>(a, rank, own_in, s, layout.tail(), g, stride) };
 
     // SAFETY (every barrier below): the signals are the group's (contract),
     // rank < N, block < MAX_BLOCKS and blockDim.x >= N (checked by
@@ -148,23 +133,12 @@ unsafe fn allreduce_push_islands<E: Element, const N: usize>(a: &LaunchArgs, ran
     // SAFETY: own signal; every thread of the block, after the barrier.
     unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
 
-    // The tail, by every rank, from its input and the peers' tail packs
-    // (addressed as if each sat at the tail's position).
-    let tail_at = s.packs * lanes;
-    let mut from = [0u64; MAX_RANKS];
-    let mut p = 0;
-    while p < N {
-        from[p] = if p == r {
-            own_in
-        } else {
-            (zone + part(p) + layout.tail()).wrapping_sub(tail_at * esize)
-        };
-        p += 1;
-    }
-    // SAFETY: elements tail_at .. tail_at + tail of `from[p]` are the
-    // peer's tail pack (filled before its published arrival) or this
-    // input's tail; the output holds them (contract).
-    unsafe { reduce_tail::<E, N>(&from, output, tail_at, s.tail, g, stride) };
+    // The tail, by every rank, from its input and the peers' tail packs.
+    // SAFETY: the peers' tail packs were filled before their published
+    // `Start` arrivals; the output holds the message (contract).
+    unsafe {
+        reduce_landed_tail::<E, N>(a, rank, own_in, zone, output, s, layout.tail(), g, stride)
+    };
 
     if N == 1 {
         // One island of one rank: the whole message is its partition, and

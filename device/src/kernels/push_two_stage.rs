@@ -43,7 +43,6 @@ unsafe fn allreduce_push_two_stage<E: Element, const N: usize>(a: &LaunchArgs, r
     };
 
     let lanes = E::LANES as u64;
-    let esize = 16 / lanes;
     let s = split(a.count, lanes);
     let g = (block * nthreads + tid) as u64;
     let stride = (nblocks * nthreads) as u64;
@@ -80,22 +79,8 @@ unsafe fn allreduce_push_two_stage<E: Element, const N: usize>(a: &LaunchArgs, r
         unsafe { copy_range_keep(own_in_p.add(ps as usize), dst, 0, pe - ps, g, stride) };
         k += 1;
     }
-    let mut t = g;
-    while t < s.tail {
-        // SAFETY: the tail element is inside the input; the tail pack of
-        // every part holds `lanes > s.tail` elements.
-        unsafe {
-            let v = ld_elem::<E>(own_in, s.packs * lanes + t);
-            let mut p = 0;
-            while p < N {
-                if p as u32 != rank {
-                    st_elem::<E>(mine(p) + layout.tail(), t, v);
-                }
-                p += 1;
-            }
-        }
-        t += stride;
-    }
+    // SAFETY: the zones hold tail packs (contract).
+    unsafe { send_tail::<E, N>(a, rank, own_in, s, layout.tail(), g, stride) };
 
     // SAFETY: the signals are the group's (contract), rank < N,
     // block < MAX_BLOCKS and blockDim.x >= N (checked by `push_start`), and
@@ -154,23 +139,12 @@ unsafe fn allreduce_push_two_stage<E: Element, const N: usize>(a: &LaunchArgs, r
         k += 1;
     }
     // The tail: every rank reduces it from its own input and the peers'
-    // tail packs. `reduce_tail` indexes from the message start, so each
-    // peer's tail pack is addressed as if it sat at the tail's position.
-    let tail_at = s.packs * lanes;
-    let mut from = [0u64; MAX_RANKS];
-    let mut r = 0;
-    while r < N {
-        from[r] = if r as u32 == rank {
-            own_in
-        } else {
-            (zone + part(r as u64) + layout.tail()).wrapping_sub(tail_at * esize)
-        };
-        r += 1;
-    }
-    // SAFETY: elements tail_at .. tail_at + tail of `from[r]` are the
-    // peer's tail pack (filled before its published arrival) or this
-    // input's tail; the output holds them (contract).
-    unsafe { reduce_tail::<E, N>(&from, output, tail_at, s.tail, g, stride) };
+    // tail packs.
+    // SAFETY: the peers' tail packs were filled before their published
+    // `Start` arrivals; the output holds the message (contract).
+    unsafe {
+        reduce_landed_tail::<E, N>(a, rank, own_in, zone, output, s, layout.tail(), g, stride)
+    };
 
     // SAFETY: as for `Start`; `Mid` publishes the gather writes above.
     let ok = unsafe {
