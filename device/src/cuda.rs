@@ -143,6 +143,20 @@ pub unsafe fn ld_pack(p: *const Pack) -> Pack {
     [a, b, c, d]
 }
 
+/// `prefetch.global.L1`: brings the line holding `p` into this SM's L1, so
+/// a later load of it is a hit; no register holds anything meanwhile.
+///
+/// # Safety
+/// `p` must be a global address inside an allocation.
+#[inline(always)]
+pub unsafe fn prefetch_l1(p: *const Pack) {
+    // SAFETY: the caller guarantees a valid global address; a prefetch
+    // changes no memory.
+    unsafe {
+        asm!("prefetch.global.L1 [{p}];", p = in(reg64) p, options(nostack, readonly));
+    }
+}
+
 /// 16-byte global store (`st.global.v4.u32`).
 ///
 /// # Safety

@@ -13,9 +13,19 @@ use crate::norm_tree::{combine_quarters, warp_adds, QUARTERS, WARP};
 /// rank's LL zone ([`LlSums`], push_ll). A type per case, so each kernel
 /// holds only the code (and registers) of its own.
 trait RowSums {
+    /// Whether a wait can fail ([`RowSums::failed`]): the block then votes
+    /// after every row.
+    const CAN_FAIL: bool = false;
     /// Whether pass 1 takes two chunks per iteration, for chunks of
     /// `per_chunk` packs: more loads in flight, more registers.
     fn pairs(per_chunk: u64) -> bool;
+    /// Called before row `row`: a source that depends on the row picks it.
+    fn for_row(&mut self, _row: u64) {}
+    /// Whether a wait of this thread failed (recorded); the block leaves
+    /// after the row when any thread's did.
+    fn failed(&self) -> bool {
+        false
+    }
     /// The rounded sums of pack `pi` of the message.
     ///
     /// # Safety
@@ -39,21 +49,30 @@ struct Pull<'a, const N: usize> {
 
 impl<'a, const N: usize> Pull<'a, N> {
     fn new(inputs: &'a [u64; MAX_RANKS]) -> Self {
-        let mut inp = [core::ptr::null::<Pack>(); N];
-        let mut r = 0;
-        while r < N {
-            inp[r] = inputs[r] as *const Pack;
-            r += 1;
+        Pull {
+            inp: [core::ptr::null::<Pack>(); N],
+            inputs,
         }
-        Pull { inp, inputs }
     }
 }
 
 impl<const N: usize> RowSums for Pull<'_, N> {
     #[inline(always)]
-    fn pairs(per_chunk: u64) -> bool {
-        // 2 x 2 packs of N ranks fit 128 registers up to 4 ranks.
-        per_chunk == 1 || N <= 4
+    fn pairs(_: u64) -> bool {
+        // 2 x 2 packs of N ranks fit 128 registers up to 4 ranks (2 x 1
+        // packs of 7 and 8 ranks took up to 152 on sm_90).
+        N <= 4
+    }
+    #[inline(always)]
+    fn for_row(&mut self, _row: u64) {
+        // The pointers into registers once per row (not once per launch:
+        // held through the tree and the second pass they cost registers
+        // the loads need, f32 w5 on sm_80: 137).
+        let mut r = 0;
+        while r < N {
+            self.inp[r] = self.inputs[r] as *const Pack;
+            r += 1;
+        }
     }
     #[inline(always)]
     unsafe fn pack<E: Element>(&mut self, pi: u64) -> Pack {
@@ -75,23 +94,51 @@ impl<const N: usize> RowSums for Pull<'_, N> {
     }
 }
 
-/// Two-stage: the rounded sums the row's owner stored.
-struct Scratch(u64);
+/// Two-stage: the rounded sums the row's owner stored in its scratch
+/// (`cur`, picked by [`RowSums::for_row`]).
+struct Scratch<'a, const N: usize> {
+    scratch: &'a [u64; MAX_RANKS],
+    rows: u64,
+    cur: u64,
+}
 
-impl RowSums for Scratch {
+impl<'a, const N: usize> Scratch<'a, N> {
+    fn new(scratch: &'a [u64; MAX_RANKS], rows: u64) -> Self {
+        Scratch {
+            scratch,
+            rows,
+            cur: 0,
+        }
+    }
+}
+
+impl<const N: usize> RowSums for Scratch<'_, N> {
     #[inline(always)]
     fn pairs(_: u64) -> bool {
         true
     }
     #[inline(always)]
+    fn for_row(&mut self, row: u64) {
+        // The owner of `row`: partitions are contiguous and ordered.
+        let mut owner = 0usize;
+        let mut q = 1;
+        while q < N {
+            if row >= partition(self.rows, N as u32, q as u32).0 {
+                owner = q;
+            }
+            q += 1;
+        }
+        self.cur = self.scratch[owner];
+    }
+    #[inline(always)]
     unsafe fn pack<E: Element>(&mut self, pi: u64) -> Pack {
         // SAFETY: pack `pi` of the owner's scratch (caller contract).
-        unsafe { ld_pack((self.0 as *const Pack).add(pi as usize)) }
+        unsafe { ld_pack((self.cur as *const Pack).add(pi as usize)) }
     }
     #[inline(always)]
     unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32 {
         // SAFETY: element `idx` of the owner's scratch (caller contract).
-        E::to_f32(unsafe { ld_elem::<E>(self.0, idx) })
+        E::to_f32(unsafe { ld_elem::<E>(self.cur, idx) })
     }
 }
 
@@ -156,6 +203,11 @@ impl<const N: usize> LlSums<N> {
 }
 
 impl<const N: usize> RowSums for LlSums<N> {
+    const CAN_FAIL: bool = true;
+    #[inline(always)]
+    fn failed(&self) -> bool {
+        self.failed
+    }
     #[inline(always)]
     fn pairs(_: u64) -> bool {
         // Waits poll one pack at a time, and two chunks' lines and waits
@@ -215,20 +267,11 @@ impl<const N: usize> RowSums for LlSums<N> {
     }
 }
 
-/// Residual add of one pack: stores `residual_out` and returns its squares
-/// added in lane order onto `acc` (`first`: the chunk's first pack).
-///
-/// # Safety
-/// Pack `pi` of `res_out` is writable.
+/// Residual add of one pack: returns the `residual_out` pack and its
+/// squares added in lane order onto `acc` (`first`: the chunk's first
+/// pack). The caller stores the pack.
 #[inline(always)]
-unsafe fn add_pack<E: Element>(
-    sum: Pack,
-    res: Pack,
-    res_out: u64,
-    pi: u64,
-    acc: f32,
-    first: bool,
-) -> f32 {
+fn add_pack<E: Element>(sum: Pack, res: Pack, acc: f32, first: bool) -> (Pack, f32) {
     let (sum, res) = (E::unpack(sum), E::unpack(res));
     let mut ro = [0f32; 8];
     let mut l = 0;
@@ -237,8 +280,6 @@ unsafe fn add_pack<E: Element>(
         l += 1;
     }
     let rop = E::pack(&ro);
-    // SAFETY: forwarded caller contract.
-    unsafe { st_pack((res_out as *mut Pack).add(pi as usize), rop) };
     let q = E::unpack(rop);
     let mut acc = acc;
     let mut l = 0;
@@ -247,7 +288,20 @@ unsafe fn add_pack<E: Element>(
         acc = if first && l == 0 { sq } else { acc + sq };
         l += 1;
     }
-    acc
+    (rop, acc)
+}
+
+/// One pack of the normed row: `(residual_out * inv) * gamma`, lane by lane.
+#[inline(always)]
+fn normed_pack<E: Element>(q: Pack, g: Pack, inv: f32) -> Pack {
+    let (q, g) = (E::unpack(q), E::unpack(g));
+    let mut n = [0f32; 8];
+    let mut l = 0;
+    while l < E::LANES {
+        n[l] = (q[l] * inv) * g[l];
+        l += 1;
+    }
+    E::pack(&n)
 }
 
 /// Row `row` of the fused operation, by every thread of the block: the
@@ -307,8 +361,11 @@ unsafe fn norm_row<E: Element, S: RowSums>(
                         ld_pack(res_p.add(pb as usize)),
                     );
                     let (sa, sb) = (sums.pack::<E>(pa), sums.pack::<E>(pb));
-                    acc_a = add_pack::<E>(sa, ra, res_out, pa, acc_a, m == 0);
-                    acc_b = add_pack::<E>(sb, rb, res_out, pb, acc_b, m == 0);
+                    let (qa, qb);
+                    (qa, acc_a) = add_pack::<E>(sa, ra, acc_a, m == 0);
+                    (qb, acc_b) = add_pack::<E>(sb, rb, acc_b, m == 0);
+                    st_pack((res_out as *mut Pack).add(pa as usize), qa);
+                    st_pack((res_out as *mut Pack).add(pb as usize), qb);
                 }
                 m += 1;
             }
@@ -332,7 +389,9 @@ unsafe fn norm_row<E: Element, S: RowSums>(
                 unsafe {
                     let r = ld_pack(res_p.add(pi as usize));
                     let s = sums.pack::<E>(pi);
-                    acc = add_pack::<E>(s, r, res_out, pi, acc, m == 0);
+                    let q;
+                    (q, acc) = add_pack::<E>(s, r, acc, m == 0);
+                    st_pack((res_out as *mut Pack).add(pi as usize), q);
                 }
                 m += 1;
             }
@@ -357,24 +416,6 @@ unsafe fn norm_row<E: Element, S: RowSums>(
         unsafe { write_volatile(sh.add(k as usize), acc) };
         k += nthreads;
     }
-    // The first chunk's pass-2 operands (the residual out this thread
-    // stored, gamma), loaded before the tree so their latency hides behind
-    // it. At most 2 packs each (a chunk is 8 elements).
-    let mut pre_q = [[0u32; 4]; 2];
-    let mut pre_g = [[0u32; 4]; 2];
-    if packed && tid < chunks {
-        let mut m = 0;
-        while m < per_chunk {
-            // SAFETY: chunk `tid` of the row, as in pass 2 below.
-            unsafe {
-                pre_q[m as usize] =
-                    ld_pack((res_out as *const Pack).add(((base + tid * CH) / lanes + m) as usize));
-                pre_g[m as usize] =
-                    ld_pack((gamma as *const Pack).add((tid * CH / lanes + m) as usize));
-            }
-            m += 1;
-        }
-    }
     sync_threads();
     // SAFETY: `sh` holds the `chunks` partials; every thread of the block.
     let total = unsafe { tree_sum(sh, chunks) };
@@ -390,22 +431,12 @@ unsafe fn norm_row<E: Element, S: RowSums>(
                 // SAFETY: as in pass 1; gamma pack c0 / lanes + m < hidden /
                 // lanes.
                 unsafe {
-                    let (qp, gp) = if k == tid {
-                        (pre_q[m as usize], pre_g[m as usize])
-                    } else {
-                        (
-                            ld_pack((res_out as *const Pack).add(pi as usize)),
-                            ld_pack((gamma as *const Pack).add((c0 / lanes + m) as usize)),
-                        )
-                    };
-                    let (q, g) = (E::unpack(qp), E::unpack(gp));
-                    let mut n = [0f32; 8];
-                    let mut l = 0;
-                    while l < E::LANES {
-                        n[l] = (q[l] * inv) * g[l];
-                        l += 1;
-                    }
-                    st_pack_streaming((normed as *mut Pack).add(pi as usize), E::pack(&n));
+                    let qp = ld_pack((res_out as *const Pack).add(pi as usize));
+                    let gp = ld_pack((gamma as *const Pack).add((c0 / lanes + m) as usize));
+                    st_pack_streaming(
+                        (normed as *mut Pack).add(pi as usize),
+                        normed_pack::<E>(qp, gp, inv),
+                    );
                 }
                 m += 1;
             }
@@ -426,6 +457,300 @@ unsafe fn norm_row<E: Element, S: RowSums>(
     }
     // The next row reuses `sh`.
     sync_threads();
+}
+
+/// Runs `$body` for each (slot `j`, pack `m`) of this thread's chunks on
+/// the register path, with `k` the chunk (`tid + j * blockDim.x`), where
+/// the chunk exists and has that pack, in order: slot 0's packs, then slot
+/// 1's. The indices are literals, so `[slot][pack]` arrays stay in
+/// registers: a loop the compiler leaves rolled (the LL waits make bodies
+/// large) would index them at run time, in local memory.
+macro_rules! for_slot_packs {
+    ($E:ty, $chunks:expr, |$j:ident, $m:ident, $k:ident| $body:block) => {{
+        for_slot_packs!(@one $E, 0, 0, $chunks, $j, $m, $k, $body);
+        for_slot_packs!(@one $E, 0, 1, $chunks, $j, $m, $k, $body);
+        for_slot_packs!(@one $E, 1, 0, $chunks, $j, $m, $k, $body);
+        for_slot_packs!(@one $E, 1, 1, $chunks, $j, $m, $k, $body);
+    }};
+    (@one $E:ty, $jv:literal, $mv:literal, $chunks:expr,
+     $j:ident, $m:ident, $k:ident, $body:block) => {{
+        let $j: usize = $jv;
+        let $m: usize = $mv;
+        let $k = thread_idx_x() as u64 + $jv * block_dim_x() as u64;
+        // Both bounds but `$k < $chunks` are constants: the code of a slot
+        // or pack the type does not have is not emitted.
+        if $j < reg_slots::<$E>() && $m < chunk_packs::<$E>() && $k < $chunks {
+            $body
+        }
+    }};
+}
+
+/// Chunks a thread holds in registers on the register path ([`RegRows`]),
+/// at most: chunks `tid` and `tid + blockDim.x`.
+const REG_SLOTS: usize = 2;
+
+/// Chunks a thread holds on the register path for `E`: two for 16-bit
+/// types (one pack each), one for f32 (two packs): two f32 chunks took
+/// 131..162 registers (ptxas, sm_80..sm_120), over the 128 of a 512-thread
+/// block.
+const fn reg_slots<E: Element>() -> usize {
+    if E::LANES == 8 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Packs of one chunk of `E`.
+const fn chunk_packs<E: Element>() -> usize {
+    NORM_CHUNK / E::LANES
+}
+
+/// Packs of one chunk at most (f32: 8 elements in two packs).
+const MAX_CHUNK_PACKS: usize = 2;
+
+// `for_slot_packs!` spells out slots 0..2 and packs 0..2.
+const _: () = assert!(NORM_CHUNK / 4 == MAX_CHUNK_PACKS && MAX_CHUNK_PACKS == 2 && REG_SLOTS == 2);
+
+/// Words of `sh` per row on the register path: rows alternate between two
+/// halves, so a row's group sums never overwrite words a slower thread
+/// still reads for the row before (no `bar.sync` at the end of a row).
+const REG_HALF_WORDS: usize = REG_SLOTS * 1024;
+
+const _: () = assert!(2 * REG_HALF_WORDS <= crate::abi::NORM_MAX_CHUNKS);
+
+/// A thread's packs of one row on the register path: `[slot][pack]`.
+type Slots = [[Pack; MAX_CHUNK_PACKS]; REG_SLOTS];
+
+/// Loads this thread's packs of `row` of `buf` (rows of `hidden` elements;
+/// row 0 for gamma): chunk `tid + j * blockDim.x` into slot `j`, where it
+/// exists.
+///
+/// # Safety
+/// `buf` holds row `row` (whole packs: `hidden` is a multiple of
+/// [`NORM_CHUNK`]).
+#[inline(always)]
+unsafe fn load_slots<E: Element>(buf: u64, row: u64, hidden: u64) -> Slots {
+    let lanes = E::LANES as u64;
+    let per_chunk = NORM_CHUNK as u64 / lanes;
+    let chunks = hidden / NORM_CHUNK as u64;
+    let base = row * hidden / lanes;
+    let mut out = [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS];
+    for_slot_packs!(E, chunks, |j, m, k| {
+        // SAFETY: pack base + k * per_chunk + m lies inside the row (k <
+        // chunks; caller contract).
+        out[j][m] = unsafe {
+            ld_pack((buf as *const Pack).add((base + k * per_chunk + m as u64) as usize))
+        };
+    });
+    out
+}
+
+/// The register path of a block's rows, taken when every chunk is whole
+/// and a thread holds at most [`REG_SLOTS`] of them: gamma is prefetched
+/// into L1 once per launch (a thread's chunks are the same in every row)
+/// and loaded while the tree runs, each row's residual is loaded a row
+/// ahead (the first before the barriers or the sends), and the residual
+/// out stays in registers from the add to the normed values: no second
+/// pass through memory. Same arithmetic as [`norm_row`], so the same bits;
+/// the GPU suite covers both paths (hidden above `REG_SLOTS * 8 *
+/// blockDim.x` or not a multiple of 8 takes [`norm_row`]).
+struct RegRows {
+    on: bool,
+    gamma: u64,
+    /// The next row's residual packs.
+    res: Slots,
+    /// Which half of `sh` the next row uses.
+    half: usize,
+}
+
+impl RegRows {
+    /// Decides the path (off unless `enabled`) and, on it, prefetches
+    /// gamma and issues the loads of the block's first row's residual
+    /// (`first_row < rows`).
+    ///
+    /// # Safety
+    /// With `enabled`: `res_in` holds `rows * hidden` elements and `gamma`
+    /// holds `hidden` (the launch contract).
+    #[inline(always)]
+    unsafe fn prepare<E: Element>(
+        enabled: bool,
+        res_in: u64,
+        gamma: u64,
+        first_row: u64,
+        rows: u64,
+        hidden: u64,
+    ) -> Self {
+        let nthreads = block_dim_x() as u64;
+        let on = enabled
+            && hidden % NORM_CHUNK as u64 == 0
+            && hidden / (NORM_CHUNK as u64) <= reg_slots::<E>() as u64 * nthreads;
+        let mut rr = RegRows {
+            on,
+            gamma,
+            res: [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS],
+            half: 0,
+        };
+        if on {
+            let per_chunk = (NORM_CHUNK / E::LANES) as u64;
+            let chunks = hidden / NORM_CHUNK as u64;
+            for_slot_packs!(E, chunks, |_j, m, k| {
+                // SAFETY: pack k * per_chunk + m of gamma's `hidden`
+                // elements (k < chunks; contract).
+                unsafe { prefetch_l1((gamma as *const Pack).add((k * per_chunk) as usize + m)) };
+            });
+            if first_row < rows {
+                // SAFETY: row `first_row` < rows of the residual (contract).
+                rr.res = unsafe { load_slots::<E>(res_in, first_row, hidden) };
+            }
+        }
+        rr
+    }
+
+    /// Row `row` (its residual loaded by the call before, or by
+    /// [`RegRows::prepare`]), then the loads of row `next` when it is below
+    /// `rows`.
+    ///
+    /// # Safety
+    /// As for [`norm_row`], with `self.on`; `sh` holds `2 *
+    /// REG_HALF_WORDS` words.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn row<E: Element, S: RowSums>(
+        &mut self,
+        sums: &mut S,
+        res_in: u64,
+        res_out: u64,
+        normed: u64,
+        row: u64,
+        next: u64,
+        rows: u64,
+        hidden: u64,
+        eps: f32,
+        sh: *mut f32,
+    ) {
+        let lanes = E::LANES as u64;
+        let per_chunk = (NORM_CHUNK as u64 / lanes) as usize;
+        let chunks = hidden / NORM_CHUNK as u64;
+        let base = row * hidden / lanes;
+        let mut q = [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS];
+        let mut part = [0f32; REG_SLOTS];
+        if S::pairs(per_chunk as u64) {
+            // Every sum first: no store between the loads (or the waits),
+            // so they are all in flight together.
+            for_slot_packs!(E, chunks, |j, m, k| {
+                // SAFETY: the pack lies inside the row (caller contract).
+                q[j][m] = unsafe { sums.pack::<E>(base + k * per_chunk as u64 + m as u64) };
+            });
+            for_slot_packs!(E, chunks, |j, m, k| {
+                (q[j][m], part[j]) = add_pack::<E>(q[j][m], self.res[j][m], part[j], m == 0);
+                let pi = base + k * per_chunk as u64 + m as u64;
+                // SAFETY: as above; `res_out` holds the row.
+                unsafe { st_pack((res_out as *mut Pack).add(pi as usize), q[j][m]) };
+            });
+        } else {
+            // A pack at a time (sources whose loads for two chunks would
+            // not fit the registers): its store holds the next loads back.
+            for_slot_packs!(E, chunks, |j, m, k| {
+                let pi = base + k * per_chunk as u64 + m as u64;
+                // SAFETY: the pack lies inside the row (caller contract).
+                let s = unsafe { sums.pack::<E>(pi) };
+                (q[j][m], part[j]) = add_pack::<E>(s, self.res[j][m], part[j], m == 0);
+                // SAFETY: as above; `res_out` holds the row.
+                unsafe { st_pack((res_out as *mut Pack).add(pi as usize), q[j][m]) };
+            });
+        }
+        // Gamma (an L1 hit after the prefetch) and the next row's residual:
+        // in flight while the tree runs.
+        // SAFETY: gamma holds `hidden` elements (contract).
+        let gamma = unsafe { load_slots::<E>(self.gamma, 0, hidden) };
+        if next < rows {
+            // SAFETY: row `next` of the residual (next < rows, contract).
+            self.res = unsafe { load_slots::<E>(res_in, next, hidden) };
+        }
+        // SAFETY: chunks <= REG_SLOTS * blockDim.x (`on`); this row's half
+        // of `sh` was last read two rows ago, before the previous row's
+        // `bar.sync`s.
+        let total = unsafe { tree_sum_regs(part, chunks, sh.add(self.half * REG_HALF_WORDS)) };
+        self.half ^= 1;
+        let inv = 1.0 / sqrt_rn(total / hidden as f32 + eps);
+        for_slot_packs!(E, chunks, |j, m, k| {
+            let pi = base + k * per_chunk as u64 + m as u64;
+            // SAFETY: as above; `normed` holds the row.
+            unsafe {
+                st_pack_streaming(
+                    (normed as *mut Pack).add(pi as usize),
+                    normed_pack::<E>(q[j][m], gamma[j][m], inv),
+                )
+            };
+        });
+    }
+}
+
+/// A fused row's buffers on this rank: `rows * hidden` elements each, but
+/// `gamma` (`hidden`).
+#[derive(Clone, Copy)]
+struct RowBufs {
+    res_in: u64,
+    res_out: u64,
+    gamma: u64,
+    normed: u64,
+}
+
+/// The block's rows `first, first + step, ...` below `rows`, each from
+/// `sums` ([`RowSums::for_row`] first), on the register path when `rr` is
+/// on, else by [`norm_row`]: one loop per path, so the fallback never
+/// holds the register path's values. A source that can fail ends the loop
+/// after a row where any thread's wait failed (a `bar.red.or` vote).
+///
+/// # Safety
+/// As for [`norm_row`], for every row below `rows`; `rr` was prepared for
+/// this block's first row.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn norm_rows<E: Element, S: RowSums>(
+    sums: &mut S,
+    rr: &mut RegRows,
+    b: RowBufs,
+    first: u64,
+    step: u64,
+    rows: u64,
+    hidden: u64,
+    eps: f32,
+    sh: *mut f32,
+) {
+    let mut row = first;
+    if rr.on {
+        while row < rows {
+            let next = row + step;
+            sums.for_row(row);
+            // SAFETY: forwarded caller contract; `sh` holds NORM_MAX_CHUNKS
+            // = 2 * REG_HALF_WORDS words.
+            unsafe {
+                rr.row::<E, S>(
+                    sums, b.res_in, b.res_out, b.normed, row, next, rows, hidden, eps, sh,
+                )
+            };
+            if S::CAN_FAIL && sync_threads_or(sums.failed()) {
+                return;
+            }
+            row = next;
+        }
+    } else {
+        while row < rows {
+            sums.for_row(row);
+            // SAFETY: forwarded caller contract.
+            unsafe {
+                norm_row::<E, S>(
+                    sums, b.res_in, b.res_out, b.gamma, b.normed, row, hidden, eps, sh,
+                )
+            };
+            if S::CAN_FAIL && sync_threads_or(sums.failed()) {
+                return;
+            }
+            row += step;
+        }
+    }
 }
 
 /// Strides 1..16 of the pairwise tree inside one warp: lane `lane` holds
@@ -484,6 +809,54 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
         }
         slot += 1;
     }
+    // SAFETY: each group's sum is at its first chunk's word (above);
+    // every thread of the block.
+    unsafe { groups_sum(sh, chunks) }
+}
+
+/// [`tree_sum`] from partials held in registers: chunk `tid + j *
+/// blockDim.x` in `part[j]` (the slot [`tree_sum`] gives it), so the
+/// strides 1..16 need no shared memory and no `bar.sync` before them.
+///
+/// # Safety
+/// `chunks <= REG_SLOTS * blockDim.x`; `sh` holds at least `chunks` words
+/// that no thread of the block still reads (the caller alternates halves
+/// between rows); every thread of the block calls it; `blockDim.x` is a
+/// multiple of 32.
+#[inline(always)]
+unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u64, sh: *mut f32) -> f32 {
+    let tid = thread_idx_x() as u64;
+    let nthreads = block_dim_x() as u64;
+    let lane = tid % WARP;
+    let slots = chunks.div_ceil(nthreads);
+    let mut j = 0;
+    while j < REG_SLOTS {
+        if (j as u64) < slots {
+            let k = j as u64 * nthreads + tid;
+            let v = warp_tree(if k < chunks { part[j] } else { 0.0 }, lane, k, chunks);
+            if lane == 0 && k < chunks {
+                // SAFETY: word k < chunks of `sh`, written by this lane only.
+                unsafe { write_volatile(sh.add(k as usize), v) };
+            }
+        }
+        j += 1;
+    }
+    // SAFETY: as for `tree_sum`.
+    unsafe { groups_sum(sh, chunks) }
+}
+
+/// The strides of 32 chunks and more, and the result to every thread:
+/// after a `bar.sync`, warp 0 takes the group sums (group g's at word 32 g)
+/// in quarters, then writes the total to word 0; after a second `bar.sync`
+/// every thread reads it.
+///
+/// # Safety
+/// The group sums of `chunks` partials are in `sh` (written before this
+/// call, by this block); every thread of the block calls it.
+#[inline(always)]
+unsafe fn groups_sum(sh: *mut f32, chunks: u64) -> f32 {
+    let tid = thread_idx_x() as u64;
+    let lane = tid % WARP;
     sync_threads();
     // Strides of 32 chunks and more: groups g = 32 j + lane (j = 0..4) in
     // warp 0, whose sums sit at word 32 g.
@@ -592,6 +965,23 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
         || (nthreads as usize) < N
         || hidden as usize > NORM_MAX_HIDDEN
         || rows.checked_mul(hidden) != Some(a.count);
+    let res_in = pick::<N>(&p.residual, rank);
+    let res_out = pick::<N>(&p.residual_out, rank);
+    let gamma = pick::<N>(&p.gamma, rank);
+    let normed = pick::<N>(&a.outputs, rank);
+    // Gamma and the first row's residual are this rank's own buffers: their
+    // loads go out before the table is read and the barriers are waited.
+    // SAFETY: the buffers the launch contract gives (unless `bad`).
+    let mut rr = unsafe {
+        RegRows::prepare::<E>(
+            !bad && (TWO_STAGE || N <= 4),
+            res_in,
+            gamma,
+            block as u64,
+            rows,
+            hidden,
+        )
+    };
     // SAFETY: `a.table` points to a RankTable the host filled (contract).
     let t = unsafe { &*(a.table as *const RankTable) };
     let mut missing = false;
@@ -630,10 +1020,6 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     // SAFETY: own signal; every thread of the block, after the barrier.
     unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
 
-    let res_in = pick::<N>(&p.residual, rank);
-    let res_out = pick::<N>(&p.residual_out, rank);
-    let gamma = pick::<N>(&p.gamma, rank);
-    let normed = pick::<N>(&a.outputs, rank);
     if TWO_STAGE {
         // Stage 1: this rank's rows, rounded sums into its scratch.
         let (first, end) = partition(rows, N as u32, rank);
@@ -654,36 +1040,45 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     }
     // Every row: the sums reduced here (one-stage) or read from the row's
     // owner (two-stage), then this rank's residual add and RMSNorm.
-    let mut row = block as u64;
-    while row < rows {
-        // SAFETY (both arms): row < rows: inside every buffer (contract);
-        // `sh` is this block's shared array; hidden <= NORM_MAX_HIDDEN
-        // (checked).
-        if TWO_STAGE {
-            // The owner of `row`: partitions are contiguous and ordered.
-            let mut owner = 0usize;
-            let mut q = 1;
-            while q < N {
-                if row >= partition(rows, N as u32, q as u32).0 {
-                    owner = q;
-                }
-                q += 1;
-            }
-            let mut sums = Scratch(t.scratch[owner]);
-            unsafe {
-                norm_row::<E, _>(
-                    &mut sums, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
-                )
-            };
-        } else {
-            let mut sums = Pull::<N>::new(&t.inputs);
-            unsafe {
-                norm_row::<E, _>(
-                    &mut sums, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
-                )
-            };
-        }
-        row += nblocks as u64;
+    let b = RowBufs {
+        res_in,
+        res_out,
+        gamma,
+        normed,
+    };
+    // SAFETY (both arms): every row below `rows` is inside every buffer
+    // (contract); `sh` is this block's shared array; hidden <=
+    // NORM_MAX_HIDDEN (checked); `rr` prepared for row `block`.
+    if TWO_STAGE {
+        let mut sums = Scratch::<N>::new(&t.scratch, rows);
+        unsafe {
+            norm_rows::<E, _>(
+                &mut sums,
+                &mut rr,
+                b,
+                block as u64,
+                nblocks as u64,
+                rows,
+                hidden,
+                p.eps,
+                sh,
+            )
+        };
+    } else {
+        let mut sums = Pull::<N>::new(&t.inputs);
+        unsafe {
+            norm_rows::<E, _>(
+                &mut sums,
+                &mut rr,
+                b,
+                block as u64,
+                nblocks as u64,
+                rows,
+                hidden,
+                p.eps,
+                sh,
+            )
+        };
     }
     if !TWO_STAGE {
         // No rank returns (and lets its input be overwritten) while a peer
@@ -734,6 +1129,14 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
         }
         return;
     }
+    let res_in = pick::<N>(&p.residual, rank);
+    let res_out = pick::<N>(&p.residual_out, rank);
+    let gamma = pick::<N>(&p.gamma, rank);
+    let normed = pick::<N>(&a.outputs, rank);
+    // Gamma and the first row's residual: in flight during the sends.
+    // SAFETY: the buffers of the launch contract (rows and hidden checked).
+    let mut rr =
+        unsafe { RegRows::prepare::<E>(true, res_in, gamma, block_idx_x() as u64, rows, hidden) };
     // SAFETY: the launch contract.
     let Some(PushStart {
         own_sig,
@@ -757,10 +1160,6 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
 
     let sh = norm_shared();
-    let res_in = pick::<N>(&p.residual, rank);
-    let res_out = pick::<N>(&p.residual_out, rank);
-    let gamma = pick::<N>(&p.gamma, rank);
-    let normed = pick::<N>(&a.outputs, rank);
     let mut sums = LlSums::<N> {
         own_in,
         zone: own_sig + a.landing_offset,
@@ -774,21 +1173,28 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
         block,
         failed: false,
     };
-    let mut row = block as u64;
-    while row < rows {
-        // SAFETY: row < rows: inside every buffer and the zone's parts
-        // (contract); `sh` is this block's shared array; hidden <=
-        // NORM_MAX_HIDDEN (checked).
-        unsafe {
-            norm_row::<E, _>(
-                &mut sums, res_in, res_out, gamma, normed, row, hidden, p.eps, sh,
-            )
-        };
-        if sync_threads_or(sums.failed) {
-            return;
-        }
-        row += nblocks as u64;
-    }
+    let b = RowBufs {
+        res_in,
+        res_out,
+        gamma,
+        normed,
+    };
+    // SAFETY: every row below `rows` is inside every buffer and the zone's
+    // parts (contract); `sh` is this block's shared array; hidden <=
+    // NORM_MAX_HIDDEN (checked); `rr` prepared for row `block`.
+    unsafe {
+        norm_rows::<E, _>(
+            &mut sums,
+            &mut rr,
+            b,
+            block as u64,
+            nblocks as u64,
+            rows,
+            hidden,
+            p.eps,
+            sh,
+        )
+    };
 }
 
 macro_rules! ll_norm_entries {

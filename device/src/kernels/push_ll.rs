@@ -110,20 +110,38 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize>(
         dst[p] = pick::<N>(&a.signals, p as u32) + a.landing_offset + part;
         p += 1;
     }
+    // Two packs per iteration, both loaded before either is stored: a store
+    // between them would hold the second load back a round trip.
     let mut i = g;
     while i < packs {
-        // SAFETY: i < packs = ceil(count / lanes): inside this rank's input
-        // (count elements, contract) and inside every peer's part, which
-        // holds `packs` LL packs (contract).
-        let lines = ll::encode(unsafe { ld_pack_upto::<E>(own_in, i, a.count) }, epoch);
-        let mut p = 0;
-        while p < N {
-            if p as u32 != rank {
-                GpuSlot(dst[p] + i * LL_PACK_BYTES as u64).store(lines);
-            }
-            p += 1;
+        let i2 = i + stride;
+        // SAFETY: i, i2 < packs = ceil(count / lanes): inside this rank's
+        // input (count elements, contract) and inside every peer's part,
+        // which holds `packs` LL packs (contract).
+        let a1 = unsafe { ld_pack_upto::<E>(own_in, i, a.count) };
+        let a2 = if i2 < packs {
+            // SAFETY: as above.
+            unsafe { ld_pack_upto::<E>(own_in, i2, a.count) }
+        } else {
+            [0; 4]
+        };
+        send_lines::<N>(&dst, rank, i, ll::encode(a1, epoch));
+        if i2 < packs {
+            send_lines::<N>(&dst, rank, i2, ll::encode(a2, epoch));
         }
-        i += stride;
+        i += 2 * stride;
+    }
+}
+
+/// Stores the lines of pack `i` into every peer's part (`dst[p]`).
+#[inline(always)]
+fn send_lines<const N: usize>(dst: &[u64; MAX_RANKS], rank: u32, i: u64, lines: ll::Lines) {
+    let mut p = 0;
+    while p < N {
+        if p as u32 != rank {
+            GpuSlot(dst[p] + i * LL_PACK_BYTES as u64).store(lines);
+        }
+        p += 1;
     }
 }
 
