@@ -111,28 +111,6 @@ pub fn norm_shared() -> *mut f32 {
     p as *mut f32
 }
 
-/// Bytes of [`norm_groups_shared`].
-pub const NORM_GROUPS_BYTES: usize = 512;
-
-/// The block's 128 f32 words of static shared memory for the group sums of
-/// the fused RMSNorm's register path: two halves of 64 (one word per group
-/// of 32 chunks), as a generic address. Declared as [`norm_shared`] is.
-#[inline(always)]
-pub fn norm_groups_shared() -> *mut f32 {
-    let p: u64;
-    // SAFETY: declares the block's shared array and takes its address; no
-    // memory access. 512 bytes = NORM_GROUPS_BYTES (asserted in norm.rs).
-    unsafe {
-        asm!(
-            "{{ .shared .align 16 .b8 p2p_norm_groups[512];",
-            "mov.u64 {t}, p2p_norm_groups;",
-            "cvta.shared.u64 {p}, {t}; }}",
-            t = out(reg64) _, p = out(reg64) p,
-            options(nostack, nomem));
-    }
-    p as *mut f32
-}
-
 /// `%globaltimer`: a nanosecond clock shared by the whole GPU.
 #[inline(always)]
 pub fn global_timer_ns() -> u64 {

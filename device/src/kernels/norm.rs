@@ -512,14 +512,12 @@ const MAX_CHUNK_PACKS: usize = 2;
 // `for_slot_packs!` spells out slots 0..2 and packs 0..2.
 const _: () = assert!(NORM_CHUNK / 4 == MAX_CHUNK_PACKS && MAX_CHUNK_PACKS == 2 && REG_SLOTS == 2);
 
-/// Words of shared memory per row on the register path: one per group of
-/// 32 chunks, at most `REG_SLOTS * 1024` chunks (1024-thread blocks). Rows
-/// alternate between two halves of [`norm_groups_shared`], so a row's group
-/// sums never overwrite words a slower thread still reads for the row
-/// before (no `bar.sync` at the end of a row).
-const REG_HALF_WORDS: usize = REG_SLOTS * 1024 / WARP as usize;
+/// Words of `sh` per row on the register path: rows alternate between two
+/// halves, so a row's group sums never overwrite words a slower thread
+/// still reads for the row before (no `bar.sync` at the end of a row).
+const REG_HALF_WORDS: usize = REG_SLOTS * 1024;
 
-const _: () = assert!(2 * REG_HALF_WORDS * 4 == crate::cuda::NORM_GROUPS_BYTES);
+const _: () = assert!(2 * REG_HALF_WORDS <= crate::abi::NORM_MAX_CHUNKS);
 
 /// A thread's packs of one row on the register path: `[slot][pack]`.
 type Slots = [[Pack; MAX_CHUNK_PACKS]; REG_SLOTS];
@@ -705,12 +703,9 @@ struct RowBufs {
 /// holds the register path's values. A source that can fail ends the loop
 /// after a row where any thread's wait failed (a `bar.red.or` vote).
 ///
-/// Shared memory: the register path uses [`norm_groups_shared`] (512
-/// bytes), the other [`norm_shared`] (16 KiB).
-///
 /// # Safety
-/// As for [`norm_row`] (but `sh`), for every row below `rows`; `rr` was
-/// prepared for this block's first row.
+/// As for [`norm_row`], for every row below `rows`; `rr` was prepared for
+/// this block's first row.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn norm_rows<E: Element, S: RowSums>(
@@ -722,15 +717,15 @@ unsafe fn norm_rows<E: Element, S: RowSums>(
     rows: u64,
     hidden: u64,
     eps: f32,
+    sh: *mut f32,
 ) {
     let mut row = first;
     if rr.on {
-        let sh = norm_groups_shared();
         while row < rows {
             let next = row + step;
             sums.for_row(row);
-            // SAFETY: forwarded caller contract; `sh` holds 2 *
-            // REG_HALF_WORDS words.
+            // SAFETY: forwarded caller contract; `sh` holds NORM_MAX_CHUNKS
+            // = 2 * REG_HALF_WORDS words.
             unsafe {
                 rr.row::<E, S>(
                     sums, b.res_in, b.res_out, b.normed, row, next, rows, hidden, eps, sh,
@@ -742,7 +737,6 @@ unsafe fn norm_rows<E: Element, S: RowSums>(
             row = next;
         }
     } else {
-        let sh = norm_shared();
         while row < rows {
             sums.for_row(row);
             // SAFETY: forwarded caller contract.
@@ -815,21 +809,20 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
         }
         slot += 1;
     }
-    // SAFETY: each group's sum is at its first chunk's word (above), inside
-    // the `chunks` words; every thread of the block.
-    unsafe { groups_sum(sh, chunks, WARP) }
+    // SAFETY: each group's sum is at its first chunk's word (above);
+    // every thread of the block.
+    unsafe { groups_sum(sh, chunks) }
 }
 
 /// [`tree_sum`] from partials held in registers: chunk `tid + j *
 /// blockDim.x` in `part[j]` (the slot [`tree_sum`] gives it), so the
-/// strides 1..16 need no shared memory and no `bar.sync` before them; the
-/// group sums go to consecutive words (group g at word g).
+/// strides 1..16 need no shared memory and no `bar.sync` before them.
 ///
 /// # Safety
-/// `chunks <= REG_SLOTS * blockDim.x`; `sh` holds at least `ceil(chunks /
-/// 32)` words that no thread of the block still reads (the caller
-/// alternates halves between rows); every thread of the block calls it;
-/// `blockDim.x` is a multiple of 32.
+/// `chunks <= REG_SLOTS * blockDim.x`; `sh` holds at least `chunks` words
+/// that no thread of the block still reads (the caller alternates halves
+/// between rows); every thread of the block calls it; `blockDim.x` is a
+/// multiple of 32.
 #[inline(always)]
 unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u64, sh: *mut f32) -> f32 {
     let tid = thread_idx_x() as u64;
@@ -842,43 +835,40 @@ unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u64, sh: *mut f32) -> f3
             let k = j as u64 * nthreads + tid;
             let v = warp_tree(if k < chunks { part[j] } else { 0.0 }, lane, k, chunks);
             if lane == 0 && k < chunks {
-                // SAFETY: word k / 32 < ceil(chunks / 32) of `sh`, this
-                // group's, written by this lane only.
-                unsafe { write_volatile(sh.add((k / WARP) as usize), v) };
+                // SAFETY: word k < chunks of `sh`, written by this lane only.
+                unsafe { write_volatile(sh.add(k as usize), v) };
             }
         }
         j += 1;
     }
-    // SAFETY: group g's sum at word g (above); every thread of the block.
-    unsafe { groups_sum(sh, chunks, 1) }
+    // SAFETY: as for `tree_sum`.
+    unsafe { groups_sum(sh, chunks) }
 }
 
 /// The strides of 32 chunks and more, and the result to every thread:
-/// after a `bar.sync`, warp 0 takes the group sums (group g's at word
-/// `word_stride * g`) in quarters, then writes the total to word 0; after a
-/// second `bar.sync` every thread reads it.
+/// after a `bar.sync`, warp 0 takes the group sums (group g's at word 32 g)
+/// in quarters, then writes the total to word 0; after a second `bar.sync`
+/// every thread reads it.
 ///
 /// # Safety
 /// The group sums of `chunks` partials are in `sh` (written before this
-/// call, by this block), which holds `word_stride * (ceil(chunks / 32) -
-/// 1) + 1` words; every thread of the block calls it.
+/// call, by this block); every thread of the block calls it.
 #[inline(always)]
-unsafe fn groups_sum(sh: *mut f32, chunks: u64, word_stride: u64) -> f32 {
+unsafe fn groups_sum(sh: *mut f32, chunks: u64) -> f32 {
     let tid = thread_idx_x() as u64;
     let lane = tid % WARP;
     sync_threads();
     // Strides of 32 chunks and more: groups g = 32 j + lane (j = 0..4) in
-    // warp 0, whose sums sit at word `word_stride * g`.
+    // warp 0, whose sums sit at word 32 g.
     let groups = chunks.div_ceil(WARP);
     if tid < 32 {
         let mut a = [0f32; QUARTERS];
         let mut j = 0;
         while j < QUARTERS {
             let g = WARP * j as u64 + lane;
-            // SAFETY: g < groups: word `word_stride * g` is inside `sh`
-            // (caller contract).
+            // SAFETY: g < groups: word 32 g < chunks is inside `sh`.
             let v = if g < groups {
-                unsafe { read_volatile(sh.add((word_stride * g) as usize)) }
+                unsafe { read_volatile(sh.add((WARP * g) as usize)) }
             } else {
                 0.0
             };
@@ -964,6 +954,7 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
         return;
     }
+    let sh = norm_shared();
     let block = block_idx_x();
     let nblocks = grid_dim_x();
     let tid = thread_idx_x();
@@ -1070,6 +1061,7 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
                 rows,
                 hidden,
                 p.eps,
+                sh,
             )
         };
     } else {
@@ -1084,6 +1076,7 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
                 rows,
                 hidden,
                 p.eps,
+                sh,
             )
         };
     }
@@ -1166,6 +1159,7 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     // SAFETY: own signal; every thread of the block, after the bar.sync.
     unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
 
+    let sh = norm_shared();
     let mut sums = LlSums::<N> {
         own_in,
         zone: own_sig + a.landing_offset,
@@ -1198,6 +1192,7 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
             rows,
             hidden,
             p.eps,
+            sh,
         )
     };
 }
