@@ -163,15 +163,26 @@ struct LlSums<const N: usize> {
 }
 
 impl<const N: usize> LlSums<N> {
-    /// Pack `pi` of source `r`.
+    /// Pack `pi` of source `r`; `WHOLE`: the pack lies wholly inside the
+    /// message.
     ///
     /// # Safety
-    /// `pi < ceil(count / lanes)`; the zone is this rank's (contract).
+    /// `pi < ceil(count / lanes)` (WHOLE: `(pi + 1) * lanes <= count`); the
+    /// zone is this rank's (contract).
     #[inline(always)]
-    unsafe fn source<E: Element>(&mut self, r: usize, pi: u64) -> Pack {
+    unsafe fn source<E: Element, const WHOLE: bool>(&mut self, r: usize, pi: u64) -> Pack {
         if r as u32 == self.rank {
-            // SAFETY: pack `pi` of this rank's input (caller contract).
-            return unsafe { super::push_ll::ld_pack_upto::<E>(self.own_in, pi, self.count) };
+            // SAFETY: pack `pi` of this rank's input (caller contract; with
+            // WHOLE, the pack lies inside the message).
+            return unsafe {
+                if WHOLE {
+                    // No partial-pack code: the compiler would predicate it
+                    // into the straight path (a compare per lane).
+                    ld_pack((self.own_in as *const Pack).add(pi as usize))
+                } else {
+                    super::push_ll::ld_pack_upto::<E>(self.own_in, pi, self.count)
+                }
+            };
         }
         let part = crate::ll::slot(self.epoch, N as u64, r as u64, self.landing_part);
         let slot = super::push_ll::GpuSlot(self.zone + part + pi * crate::ll::LL_PACK_BYTES as u64);
@@ -222,8 +233,9 @@ impl<const N: usize> RowSums for LlSums<N> {
         let mut acc = [0f32; 8];
         let mut r = 0;
         while r < N {
-            // SAFETY: forwarded caller contract.
-            let x = E::unpack(unsafe { self.source::<E>(r, pi) });
+            // SAFETY: forwarded caller contract: `pack` is only called for
+            // whole packs (rows of whole chunks).
+            let x = E::unpack(unsafe { self.source::<E, true>(r, pi) });
             let mut l = 0;
             while l < 8 {
                 acc[l] = if r == 0 { x[l] } else { acc[l] + x[l] };
@@ -241,7 +253,7 @@ impl<const N: usize> RowSums for LlSums<N> {
         let mut r = 0;
         while r < N {
             // SAFETY: forwarded caller contract (pi < ceil(count / lanes)).
-            let p = unsafe { self.source::<E>(r, pi) };
+            let p = unsafe { self.source::<E, false>(r, pi) };
             // Words chosen by comparisons: a run-time index into the pack
             // would put it in local memory.
             let w = if E::LANES == 4 { k } else { k / 2 };
@@ -828,10 +840,10 @@ unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u64, sh: *mut f32) -> f3
     let tid = thread_idx_x() as u64;
     let nthreads = block_dim_x() as u64;
     let lane = tid % WARP;
-    let slots = chunks.div_ceil(nthreads);
     let mut j = 0;
     while j < REG_SLOTS {
-        if (j as u64) < slots {
+        // Slot j exists where any chunk of it does (no 64-bit division).
+        if (j as u64) * nthreads < chunks {
             let k = j as u64 * nthreads + tid;
             let v = warp_tree(if k < chunks { part[j] } else { 0.0 }, lane, k, chunks);
             if lane == 0 && k < chunks {
