@@ -1164,8 +1164,15 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     };
     let g = (block * nthreads + tid) as u64;
     let stride = (nblocks * nthreads) as u64;
-    // SAFETY: the launch contract (zone and input sizes).
-    unsafe { super::push_ll::ll_send::<E, N>(a, rank, own_in, epoch, g, stride) };
+    // SAFETY: the launch contract (zone and input sizes); on the register
+    // path rows are whole chunks, so `count` is a multiple of the lanes.
+    unsafe {
+        if rr.on {
+            super::push_ll::ll_send::<E, N, true>(a, rank, own_in, epoch, g, stride)
+        } else {
+            super::push_ll::ll_send::<E, N, false>(a, rank, own_in, epoch, g, stride)
+        }
+    };
     // Every thread of the block read the old epoch; commit the new one.
     sync_threads();
     // SAFETY: own signal; every thread of the block, after the bar.sync.

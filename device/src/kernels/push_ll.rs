@@ -94,7 +94,7 @@ unsafe fn st_pack_upto<E: Element>(base: u64, i: u64, count: u64, p: Pack) {
 /// every rank's signal allocation holds an LL zone whose parts hold
 /// `ceil(a.count / lanes)` LL packs.
 #[inline(always)]
-pub(super) unsafe fn ll_send<E: Element, const N: usize>(
+pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
     a: &LaunchArgs,
     rank: u32,
     own_in: u64,
@@ -118,10 +118,10 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize>(
         // SAFETY: i, i2 < packs = ceil(count / lanes): inside this rank's
         // input (count elements, contract) and inside every peer's part,
         // which holds `packs` LL packs (contract).
-        let a1 = unsafe { ld_pack_upto::<E>(own_in, i, a.count) };
+        let a1 = unsafe { ld_own::<E, WHOLE>(own_in, i, a.count) };
         let a2 = if i2 < packs {
             // SAFETY: as above.
-            unsafe { ld_pack_upto::<E>(own_in, i2, a.count) }
+            unsafe { ld_own::<E, WHOLE>(own_in, i2, a.count) }
         } else {
             [0; 4]
         };
@@ -130,6 +130,26 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize>(
             send_lines::<N>(&dst, rank, i2, ll::encode(a2, epoch));
         }
         i += 2 * stride;
+    }
+}
+
+/// Pack `i` of this rank's input: whole when `WHOLE` (`count` a multiple of
+/// the lanes: no partial-pack code, which the compiler would otherwise
+/// predicate into the straight path, a compare per lane), else by
+/// [`ld_pack_upto`].
+///
+/// # Safety
+/// As for [`ld_pack_upto`]; `WHOLE` only when `count` is a multiple of
+/// `E::LANES`.
+#[inline(always)]
+unsafe fn ld_own<E: Element, const WHOLE: bool>(base: u64, i: u64, count: u64) -> Pack {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        if WHOLE {
+            ld_pack((base as *const Pack).add(i as usize))
+        } else {
+            ld_pack_upto::<E>(base, i, count)
+        }
     }
 }
 
@@ -182,7 +202,7 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
 
     // Phase 1: this rank's packs into its part of every peer's zone.
     // SAFETY: the launch contract.
-    unsafe { ll_send::<E, N>(a, rank, own_in, epoch, g, stride) };
+    unsafe { ll_send::<E, N, false>(a, rank, own_in, epoch, g, stride) };
 
     // Every thread of the block read the old epoch; commit the new one.
     sync_threads();
