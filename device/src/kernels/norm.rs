@@ -174,15 +174,7 @@ impl<const N: usize> LlSums<N> {
         if r as u32 == self.rank {
             // SAFETY: pack `pi` of this rank's input (caller contract; with
             // WHOLE, the pack lies inside the message).
-            return unsafe {
-                if WHOLE {
-                    // No partial-pack code: the compiler would predicate it
-                    // into the straight path (a compare per lane).
-                    ld_pack((self.own_in as *const Pack).add(pi as usize))
-                } else {
-                    super::push_ll::ld_pack_upto::<E>(self.own_in, pi, self.count)
-                }
-            };
+            return unsafe { super::push_ll::ld_own::<E, WHOLE>(self.own_in, pi, self.count) };
         }
         let part = crate::ll::slot(self.epoch, N as u64, r as u64, self.landing_part);
         let slot = super::push_ll::GpuSlot(self.zone + part + pi * crate::ll::LL_PACK_BYTES as u64);
@@ -699,17 +691,23 @@ impl RegRows {
     }
 }
 
-/// A fused row's buffers on this rank: `rows * hidden` elements each, but
-/// `gamma` (`hidden`).
+/// A block's share of a fused launch: this rank's buffers (`rows * hidden`
+/// elements each, but `gamma`: `hidden`), and the rows `first, first +
+/// step, ...` below `rows`.
 #[derive(Clone, Copy)]
-struct RowBufs {
+struct BlockRows {
     res_in: u64,
     res_out: u64,
     gamma: u64,
     normed: u64,
+    first: u64,
+    step: u64,
+    rows: u64,
+    hidden: u64,
+    eps: f32,
 }
 
-/// The block's rows `first, first + step, ...` below `rows`, each from
+/// The block's rows ([`BlockRows`]), each from
 /// `sums` ([`RowSums::for_row`] first), on the register path when `rr` is
 /// on, else by [`norm_row`]: one loop per path, so the fallback never
 /// holds the register path's values. A source that can fail ends the loop
@@ -718,19 +716,21 @@ struct RowBufs {
 /// # Safety
 /// As for [`norm_row`], for every row below `rows`; `rr` was prepared for
 /// this block's first row.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn norm_rows<E: Element, S: RowSums>(
     sums: &mut S,
     rr: &mut RegRows,
-    b: RowBufs,
-    first: u64,
-    step: u64,
-    rows: u64,
-    hidden: u64,
-    eps: f32,
+    b: &BlockRows,
     sh: *mut f32,
 ) {
+    let BlockRows {
+        first,
+        step,
+        rows,
+        hidden,
+        eps,
+        ..
+    } = *b;
     let mut row = first;
     if rr.on {
         while row < rows {
@@ -1052,45 +1052,26 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     }
     // Every row: the sums reduced here (one-stage) or read from the row's
     // owner (two-stage), then this rank's residual add and RMSNorm.
-    let b = RowBufs {
+    let b = BlockRows {
         res_in,
         res_out,
         gamma,
         normed,
+        first: block as u64,
+        step: nblocks as u64,
+        rows,
+        hidden,
+        eps: p.eps,
     };
     // SAFETY (both arms): every row below `rows` is inside every buffer
     // (contract); `sh` is this block's shared array; hidden <=
     // NORM_MAX_HIDDEN (checked); `rr` prepared for row `block`.
     if TWO_STAGE {
         let mut sums = Scratch::<N>::new(&t.scratch, rows);
-        unsafe {
-            norm_rows::<E, _>(
-                &mut sums,
-                &mut rr,
-                b,
-                block as u64,
-                nblocks as u64,
-                rows,
-                hidden,
-                p.eps,
-                sh,
-            )
-        };
+        unsafe { norm_rows::<E, _>(&mut sums, &mut rr, &b, sh) };
     } else {
         let mut sums = Pull::<N>::new(&t.inputs);
-        unsafe {
-            norm_rows::<E, _>(
-                &mut sums,
-                &mut rr,
-                b,
-                block as u64,
-                nblocks as u64,
-                rows,
-                hidden,
-                p.eps,
-                sh,
-            )
-        };
+        unsafe { norm_rows::<E, _>(&mut sums, &mut rr, &b, sh) };
     }
     if !TWO_STAGE {
         // No rank returns (and lets its input be overwritten) while a peer
@@ -1192,28 +1173,21 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
         block,
         failed: false,
     };
-    let b = RowBufs {
+    let b = BlockRows {
         res_in,
         res_out,
         gamma,
         normed,
+        first: block as u64,
+        step: nblocks as u64,
+        rows,
+        hidden,
+        eps: p.eps,
     };
     // SAFETY: every row below `rows` is inside every buffer and the zone's
     // parts (contract); `sh` is this block's shared array; hidden <=
     // NORM_MAX_HIDDEN (checked); `rr` prepared for row `block`.
-    unsafe {
-        norm_rows::<E, _>(
-            &mut sums,
-            &mut rr,
-            b,
-            block as u64,
-            nblocks as u64,
-            rows,
-            hidden,
-            p.eps,
-            sh,
-        )
-    };
+    unsafe { norm_rows::<E, _>(&mut sums, &mut rr, &b, sh) };
 }
 
 macro_rules! ll_norm_entries {

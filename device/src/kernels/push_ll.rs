@@ -139,10 +139,11 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
 /// [`ld_pack_upto`].
 ///
 /// # Safety
-/// As for [`ld_pack_upto`]; `WHOLE` only when `count` is a multiple of
-/// `E::LANES`.
+/// As for [`ld_pack_upto`]; `WHOLE` only when pack `i` lies wholly inside
+/// the `count` elements (every pack does when `count` is a multiple of
+/// `E::LANES`).
 #[inline(always)]
-unsafe fn ld_own<E: Element, const WHOLE: bool>(base: u64, i: u64, count: u64) -> Pack {
+pub(super) unsafe fn ld_own<E: Element, const WHOLE: bool>(base: u64, i: u64, count: u64) -> Pack {
     // SAFETY: forwarded caller contract.
     unsafe {
         if WHOLE {
