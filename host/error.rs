@@ -172,6 +172,20 @@ pub enum Error {
     NormAlgorithm(crate::abi::Algorithm),
 
     #[error(
+        "the fused push_ll kernel takes rows of whole {chunk}-element chunks, at most {max_hidden} \
+         {} elements with {threads} threads per block; hidden size {hidden} is not: use \
+         AlgoChoice::Auto (one_stage or two_stage serve it) or OneStage/TwoStage",
+        .dtype.name(),
+        chunk = crate::abi::NORM_CHUNK
+    )]
+    NormPushLlShape {
+        dtype: crate::abi::Dtype,
+        hidden: usize,
+        max_hidden: usize,
+        threads: u32,
+    },
+
+    #[error(
         "thresholds file {path}: {reason}. Fix or delete it, run `p2p-allreduce tune` again, or set \
          P2P_ALLREDUCE_THRESHOLDS=none to use the built-in table"
     )]

@@ -2,7 +2,10 @@
 //! chunks, blocks) and its launches, for every group kind. Numerics in
 //! docs/numerics.md; the CPU oracle is `reference::add_rmsnorm_bits`.
 
-use crate::abi::{Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS, NORM_MAX_HIDDEN};
+use crate::abi::{
+    norm_reg_path, norm_reg_slots, Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS, NORM_CHUNK,
+    NORM_MAX_HIDDEN,
+};
 use crate::checks::{check_aligned, check_count};
 use crate::collective::{stage, Collective};
 use crate::error::{Error, Result};
@@ -34,6 +37,11 @@ pub struct NormPlan {
     pub rows_per_step: usize,
     /// Blocks per rank (each block takes whole rows).
     pub blocks: u32,
+    /// Threads per block: on the register path
+    /// ([`crate::abi::norm_reg_path`]) just enough warps for the row's
+    /// chunks (fewer warps issue fewer instructions), else
+    /// `Config::threads_per_block`.
+    pub threads: u32,
 }
 
 impl NormPlan {
@@ -45,8 +53,10 @@ impl NormPlan {
     /// or rows that need chunks with chunking off; zero-copy (one launch,
     /// no chunks), two-stage rows that do not fit the scratch
     /// (`ScratchTooSmall`), push_ll rows that do not fit its landing zone
-    /// (`ZoneTooSmall`). `Auto` runs push_ll where the allreduce of the
-    /// same bytes would and the rows fit its zone, else one-stage or
+    /// (`ZoneTooSmall`); push_ll rows off the register path
+    /// (`NormPushLlShape`: the fused push_ll kernel has no other path).
+    /// `Auto` runs push_ll where the allreduce of the same bytes would, the
+    /// rows fit its zone and take the register path, else one-stage or
     /// two-stage as the allreduce would.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -72,20 +82,38 @@ impl NormPlan {
         let row_bytes = hidden.max(1) * dtype.size();
         let total = rows * row_bytes;
         let ll_zone = config.push_ll_max_bytes;
+        let max_threads = config.threads_per_block;
+        let reg_path = norm_reg_path(dtype.lanes(), hidden as u64, max_threads as u64);
         let algorithm = match choice {
             AlgoChoice::Auto => match config.choose(AlgoChoice::Auto, total, world, link) {
                 Algorithm::TwoStage => Algorithm::TwoStage,
-                Algorithm::PushLl if total <= ll_zone => Algorithm::PushLl,
+                Algorithm::PushLl if total <= ll_zone && reg_path => Algorithm::PushLl,
                 _ => Algorithm::OneStage,
             },
             AlgoChoice::OneStage => Algorithm::OneStage,
             AlgoChoice::TwoStage => Algorithm::TwoStage,
-            AlgoChoice::PushLl => Algorithm::PushLl,
+            AlgoChoice::PushLl if reg_path => Algorithm::PushLl,
+            AlgoChoice::PushLl => {
+                return Err(Error::NormPushLlShape {
+                    dtype,
+                    hidden,
+                    max_hidden: NORM_CHUNK * norm_reg_slots(dtype.lanes()) * max_threads as usize,
+                    threads: max_threads,
+                })
+            }
             other => {
                 return Err(Error::NormAlgorithm(
                     other.explicit().unwrap_or(Algorithm::OneStage),
                 ))
             }
+        };
+        // Register path: a warp per 32 threads the chunks need, at most the
+        // configured block (a multiple of 32, checked by Config).
+        let threads = if reg_path {
+            let need = hidden.div_ceil(NORM_CHUNK * norm_reg_slots(dtype.lanes()));
+            (need.div_ceil(32) * 32).clamp(32, max_threads as usize) as u32
+        } else {
+            max_threads
         };
         if inputs == Inputs::ZeroCopy {
             // One launch; only two-stage needs room (scratch) for the sums.
@@ -110,6 +138,7 @@ impl NormPlan {
                 rows_per_step,
                 blocks: (rows_per_step.min(u32::MAX as usize) as u32)
                     .clamp(1, config.blocks_cap(link)),
+                threads,
             });
         }
         // Staging holds the inputs and, two-stage, scratch the sums;
@@ -137,6 +166,7 @@ impl NormPlan {
             hidden,
             rows_per_step,
             blocks,
+            threads,
         })
     }
 
@@ -327,6 +357,10 @@ impl Collective {
         }
         self.begin(streams)?;
         let size = dtype.size() as u64;
+        // Co-residency is asked at the configured block size (cached when
+        // the group was made; no driver call here, as a call inside a
+        // graph capture must not make one): a launch of at most as many
+        // threads per block fits wherever that one does.
         let threads = self.config.threads_per_block;
         for (first, n) in plan.steps() {
             let off = (first * hidden) as u64 * size;
@@ -407,13 +441,53 @@ impl Collective {
                         stream,
                         entry,
                         (plan.blocks, grid_y),
-                        threads,
+                        plan.threads,
                         &args,
                     )?
                 };
             }
         }
         Ok(plan.algorithm)
+    }
+}
+
+impl Collective {
+    /// Fused call with zero-copy input: the first `rows * hidden` elements
+    /// of each rank's registered buffer (`reg`, which must belong to this
+    /// group: `ForeignRegistered`, and hold them: `BufferTooSmall`), read
+    /// where they are; one launch.
+    ///
+    /// # Safety
+    /// As for [`Collective::add_rmsnorm`], for every pointer of `p` but the
+    /// inputs (the registered buffers' tables name those).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn add_rmsnorm_registered<T: crate::element::DeviceElement>(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        reg: &crate::registered::RegisteredBuffers<T>,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        p: &NormPtrs,
+        choice: AlgoChoice,
+    ) -> Result<Algorithm> {
+        reg.check_owner(self.id, rows * hidden)?;
+        let tables = reg.table_ptrs();
+        // SAFETY: the tables name this group's registered buffers, which
+        // hold the rows (checked) and stay allocated while `reg` lives
+        // (its drop waits for the devices); the rest is the caller's.
+        unsafe {
+            self.add_rmsnorm(
+                streams,
+                T::DTYPE,
+                rows,
+                hidden,
+                eps,
+                p,
+                NormInputs::ZeroCopy(&tables),
+                choice,
+            )
+        }
     }
 }
 
@@ -490,6 +564,71 @@ mod tests {
             plan(&no_chunks, 300, 7168, AlgoChoice::OneStage),
             Err(Error::MessageTooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn push_ll_takes_register_path_rows_with_just_enough_warps() {
+        let c = Config::with_max_bytes(1 << 20);
+        let at = |dtype, hidden, choice| {
+            NormPlan::new(
+                &c,
+                dtype,
+                2,
+                hidden,
+                2,
+                Link::NvLink,
+                choice,
+                Inputs::Staged,
+            )
+        };
+        // 7168 bf16: 896 chunks, two per thread: 448 threads (14 warps).
+        let p = at(Dtype::Bf16, 7168, AlgoChoice::PushLl).expect("plan");
+        assert_eq!((p.algorithm, p.threads), (Algorithm::PushLl, 448));
+        assert_eq!(
+            at(Dtype::Bf16, 4096, AlgoChoice::Auto)
+                .expect("plan")
+                .threads,
+            256
+        );
+        assert_eq!(
+            at(Dtype::F16, 8, AlgoChoice::OneStage)
+                .expect("plan")
+                .threads,
+            32
+        );
+        // f32: one chunk per thread.
+        assert_eq!(
+            at(Dtype::F32, 4096, AlgoChoice::TwoStage)
+                .expect("plan")
+                .threads,
+            512
+        );
+        // Off the register path (not whole chunks, or more chunks than
+        // the block holds): the configured block, and no push_ll.
+        for (dtype, hidden) in [
+            (Dtype::Bf16, 7),
+            (Dtype::Bf16, 8200),
+            (Dtype::F32, 4104),
+            (Dtype::F32, 5120),
+        ] {
+            let p = at(dtype, hidden, AlgoChoice::Auto).expect("plan");
+            assert_ne!(p.algorithm, Algorithm::PushLl, "{dtype:?} {hidden}");
+            assert_eq!(p.threads, c.threads_per_block);
+            let r = at(dtype, hidden, AlgoChoice::PushLl);
+            assert!(
+                matches!(r, Err(Error::NormPushLlShape { hidden: h, .. }) if h == hidden),
+                "{dtype:?} {hidden}: {r:?}"
+            );
+            assert_eq!(
+                at(dtype, hidden, AlgoChoice::OneStage)
+                    .expect("plan")
+                    .algorithm,
+                Algorithm::OneStage
+            );
+        }
+        // The largest register-path rows take push_ll.
+        assert!(at(Dtype::Bf16, 8192, AlgoChoice::PushLl).is_ok());
+        assert!(at(Dtype::F32, 4096, AlgoChoice::PushLl).is_ok());
     }
 
     #[test]

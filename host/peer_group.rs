@@ -428,6 +428,79 @@ impl PeerGroup {
         unsafe { self.core.registered(&s, reg, count, &o, algo) }
     }
 
+    /// [`Self::allreduce_add_rmsnorm`] with zero-copy input: the first
+    /// `count` elements (whole rows of `gamma[r].len()`) of each rank's
+    /// registered buffer, written beforehand on its stream, read where they
+    /// are by every peer (no staging copy; one launch, not chunked: an
+    /// explicit two-stage whose rows do not fit the scratch is refused with
+    /// `ScratchTooSmall`, a push_ll whose rows do not fit its landing zone
+    /// with `ZoneTooSmall`; `Auto` runs one-stage there); works inside
+    /// CUDA-graph capture as [`Self::allreduce_registered`] does.
+    /// `residual[r]` updated in place, `normed[r]` written, as the staged
+    /// call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allreduce_add_rmsnorm_registered<T, R, G, O>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        residual: &mut [R],
+        gamma: &[&G],
+        eps: f32,
+        normed: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        for (what, n) in [
+            ("streams", streams.len()),
+            ("residuals", residual.len()),
+            ("gammas", gamma.len()),
+            ("normed outputs", normed.len()),
+        ] {
+            check_count(what, n, self.world())?;
+        }
+        let (rows, hidden) = norm_shape(
+            T::DTYPE,
+            std::iter::repeat_n(count, self.world()),
+            residual.iter().map(|r| r.len()),
+            gamma.iter().map(|g| g.len()),
+            normed.iter().map(|o| o.len()),
+            eps,
+        )?;
+        let res: Vec<_> = residual
+            .iter_mut()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr_mut(s))
+            .collect();
+        let gam: Vec<_> = gamma
+            .iter()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr(s))
+            .collect();
+        let outs: Vec<_> = normed
+            .iter_mut()
+            .zip(streams)
+            .map(|(b, s)| b.device_ptr_mut(s))
+            .collect();
+        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
+        let ins: Vec<u64> = (0..reg.ranks()).map(|r| reg.ptr(r)).collect();
+        let ptrs = NormPtrs::in_place_residual(&ins, &raw(&res), &raw(&gam), &raw(&outs));
+        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: residuals, gammas and outputs are live slices or views on
+        // their ranks' devices holding what `norm_shape` checked, guarded
+        // until the work is enqueued; they cannot overlap the registered
+        // buffers, which only `reg` owns.
+        unsafe {
+            self.core
+                .add_rmsnorm_registered(&refs, reg, rows, hidden, eps, &ptrs, algo)
+        }
+    }
+
     /// Reports an error a kernel of this group has recorded so far (a peer
     /// timeout), without waiting for the device: the kernels raise a mailbox
     /// in pinned host memory, so this costs a host memory read while all is

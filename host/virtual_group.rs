@@ -366,6 +366,69 @@ impl VirtualGroup {
         unsafe { self.core.registered(&[stream], reg, count, &o, algo) }
     }
 
+    /// [`Self::allreduce_add_rmsnorm`] with zero-copy input: the first
+    /// `count` elements (whole rows of `gamma[r].len()`) of each rank's
+    /// registered buffer, written beforehand, read where they are (no
+    /// staging copy; one launch, not chunked: an explicit two-stage whose
+    /// rows do not fit the scratch is refused with `ScratchTooSmall`, and a
+    /// push_ll whose rows do not fit its landing zone with `ZoneTooSmall`;
+    /// `Auto` runs one-stage there). `residual[r]` updated in place,
+    /// `normed[r]` written, as the staged call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allreduce_add_rmsnorm_registered<T, R, G, O>(
+        &self,
+        stream: &Arc<CudaStream>,
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        residual: &mut [R],
+        gamma: &[&G],
+        eps: f32,
+        normed: &mut [O],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        for (what, n) in [
+            ("residuals", residual.len()),
+            ("gammas", gamma.len()),
+            ("normed outputs", normed.len()),
+        ] {
+            check_count(what, n, self.world())?;
+        }
+        let (rows, hidden) = norm_shape(
+            T::DTYPE,
+            std::iter::repeat_n(count, self.world()),
+            residual.iter().map(|r| r.len()),
+            gamma.iter().map(|g| g.len()),
+            normed.iter().map(|o| o.len()),
+            eps,
+        )?;
+        let res: Vec<_> = residual
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let gam: Vec<_> = gamma.iter().map(|s| s.device_ptr(stream)).collect();
+        let outs: Vec<_> = normed
+            .iter_mut()
+            .map(|s| s.device_ptr_mut(stream))
+            .collect();
+        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
+        let ins: Vec<u64> = (0..reg.ranks()).map(|r| reg.ptr(r)).collect();
+        let ptrs = NormPtrs::in_place_residual(&ins, &raw(&res), &raw(&gam), &raw(&outs));
+        // SAFETY: residuals, gammas and outputs are live slices or views
+        // holding what `norm_shape` checked, guarded until the work is
+        // enqueued; they cannot overlap the registered buffers, which only
+        // `reg` owns.
+        unsafe {
+            self.core
+                .add_rmsnorm_registered(&[stream], reg, rows, hidden, eps, &ptrs, algo)
+        }
+    }
+
     /// Reports an error a kernel of this group has recorded so far (a peer
     /// timeout), without waiting for the device: the kernels raise a mailbox
     /// in pinned host memory, so this costs a host memory read while all is

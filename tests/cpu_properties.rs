@@ -1201,7 +1201,10 @@ proptest! {
 // against the tree's definition and against the CPU oracle.
 
 use p2p_allreduce::abi::{NORM_CHUNK, NORM_MAX_CHUNKS};
-use p2p_allreduce::device::norm_tree::{combine_quarters, warp_adds, QUARTERS, WARP};
+use p2p_allreduce::device::norm_tree::{self, combine_quarters, warp_adds, QUARTERS};
+
+/// The warp's width, as the model's `u64` indices.
+const WARP: u64 = norm_tree::WARP as u64;
 
 /// `warp_tree` of one warp: `v[l]` is lane l's item `ks[l]` of `n`; at each
 /// stride (in the order of `strides`) a lane reads the value `s` lanes above it as `shfl.down` does
@@ -1216,7 +1219,7 @@ fn model_warp_tree(v: &mut [f32; 32], ks: &[u64; 32], n: u64, strides: &[u64]) -
             } else {
                 before[l as usize]
             };
-            if warp_adds(l, ks[l as usize], n, s) {
+            if warp_adds(l as u32, ks[l as usize] as u32, n as u32, s as u32) {
                 v[l as usize] += other;
             }
         }
@@ -1238,7 +1241,7 @@ fn model_tree_sum_with(
     parts: &[f32],
     nthreads: u64,
     strides: &[u64],
-    combine: fn([f32; QUARTERS], u64) -> f32,
+    combine: fn([f32; QUARTERS], u32) -> f32,
 ) -> f32 {
     let chunks = parts.len() as u64;
     let mut sh = parts.to_vec();
@@ -1273,7 +1276,7 @@ fn model_tree_sum_with(
         }
         *q = model_warp_tree(&mut v, &ks, groups, strides);
     }
-    combine(a, groups)
+    combine(a, groups as u32)
 }
 
 /// The tree by its recursive reading (written here, not from the device
@@ -1431,11 +1434,11 @@ fn tree_sum_model_every_length() {
 /// quarters added one after the other, change the sum for some lengths.
 #[test]
 fn tree_sum_model_detects_wrong_spreads() {
-    type Combine = fn([f32; QUARTERS], u64) -> f32;
+    type Combine = fn([f32; QUARTERS], u32) -> f32;
     let sequential: Combine = |a, groups| {
         let mut t = a[0];
         for (j, q) in a.iter().enumerate().skip(1) {
-            if WARP * (j as u64) < groups {
+            if norm_tree::WARP * (j as u32) < groups {
                 t += q;
             }
         }

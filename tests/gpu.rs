@@ -7,11 +7,12 @@
 //! random property cases (default 1200).
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use p2p_allreduce::abi::{Algorithm, BarrierKind, Dtype};
+use p2p_allreduce::abi::{self, Algorithm, BarrierKind, Dtype};
 use p2p_allreduce::reference::{self, values};
 use p2p_allreduce::validate::{self, Bits};
 use p2p_allreduce::{
-    driver, AlgoChoice, Config, DirExchange, Error, PeerGroup, ProcessGroup, VirtualGroup,
+    driver, AlgoChoice, Config, DirExchange, Error, PeerGroup, ProcessGroup, RegisteredBuffers,
+    VirtualGroup,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -43,6 +44,7 @@ fn main() {
         ("push_back_to_back_with_changing_grids", push_changing_grids),
         ("thresholds_file_moves_auto", thresholds_file),
         ("fused_add_rmsnorm_bit_exact", fused_add_rmsnorm),
+        ("fused_registered_zero_copy", fused_registered),
         ("ipc_process_group_every_gpu", ipc_processes),
         ("killed_rank_process_times_out_and_recovers", killed_rank),
         #[cfg(feature = "nccl")]
@@ -1922,9 +1924,17 @@ fn ipc_child(rank: usize) -> i32 {
                     .clone_htod(&vec![poison::<f32>(); count])
                     .map_err(|e| e.to_string())?;
                 let what = format!("fused rows {rows} hidden {hidden} {algo:?}");
-                group
-                    .allreduce_add_rmsnorm(&stream, &xin, &mut rin, &gin, NORM_EPS, &mut out, algo)
-                    .map_err(|e| format!("{what}: {e}"))?;
+                let r = group
+                    .allreduce_add_rmsnorm(&stream, &xin, &mut rin, &gin, NORM_EPS, &mut out, algo);
+                if algo == AlgoChoice::PushLl && !takes_push_ll(Dtype::F32, hidden) {
+                    match r {
+                        Err(Error::NormPushLlShape { .. }) => continue,
+                        other => {
+                            return Err(format!("{what}: expected NormPushLlShape, got {other:?}"))
+                        }
+                    }
+                }
+                r.map_err(|e| format!("{what}: {e}"))?;
                 group.check(&stream).map_err(|e| format!("{what}: {e}"))?;
                 let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
                 let got_res = bits(stream.clone_dtoh(&rin).map_err(|e| e.to_string())?);
@@ -1969,6 +1979,7 @@ fn ipc_child(rank: usize) -> i32 {
                     .clone_htod(&vec![poison::<f32>(); count])
                     .map_err(|e| e.to_string())?;
                 let what = format!("registered fused rows {rows} hidden {hidden} {algo:?}");
+                let refused = algo == AlgoChoice::PushLl && !takes_push_ll(Dtype::F32, hidden);
                 {
                     let (rp, _g1) = rin.device_ptr(&stream);
                     let (gp, _g2) = gin.device_ptr(&stream);
@@ -1976,7 +1987,7 @@ fn ipc_child(rank: usize) -> i32 {
                     // SAFETY: input inside `reg`; residual, gamma and output
                     // live slices of count / hidden f32, checked below after
                     // the stream is done.
-                    unsafe {
+                    let r = unsafe {
                         group.allreduce_add_rmsnorm_registered_raw(
                             &stream,
                             Dtype::F32,
@@ -1986,8 +1997,14 @@ fn ipc_child(rank: usize) -> i32 {
                             [reg.ptr(), rp, gp, op],
                             algo,
                         )
-                    }
-                    .map_err(|e| format!("{what}: {e}"))?;
+                    };
+                    match r {
+                        Err(Error::NormPushLlShape { .. }) if refused => continue,
+                        _ if refused => {
+                            return Err(format!("{what}: expected NormPushLlShape, got {r:?}"))
+                        }
+                        r => r.map_err(|e| format!("{what}: {e}"))?,
+                    };
                 }
                 group.check(&stream).map_err(|e| format!("{what}: {e}"))?;
                 let got_res = bits(stream.clone_dtoh(&rin).map_err(|e| e.to_string())?);
@@ -2374,8 +2391,68 @@ fn norm_virtual<T: Bits>(
     used
 }
 
+/// Whether the fused push_ll kernel takes rows of `hidden` at the default
+/// block size (its register path, `abi::norm_reg_path`).
+fn takes_push_ll(dtype: Dtype, hidden: usize) -> bool {
+    let threads = Config::default().threads_per_block as u64;
+    abi::norm_reg_path(dtype.lanes(), hidden as u64, threads)
+}
+
+/// An explicit push_ll for rows off the register path: refused with
+/// `NormPushLlShape` before any work (every residual and output left as
+/// it was), and the group stays healthy.
+fn push_ll_refused_virtual<T: Bits>(g: &Gpu, grp: &VirtualGroup, c: &NormCase) {
+    let count = c.rows * c.hidden;
+    let what = format!(
+        "virtual {:?} world {} rows {} hidden {} PushLl",
+        c.dtype, c.world, c.rows, c.hidden
+    );
+    let (x, res, gam, _) = c.data();
+    let xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
+    let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
+    let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
+    let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+    let r = {
+        let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
+        let xr: Vec<&_> = xv.iter().collect();
+        let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
+        let gr: Vec<&_> = gv.iter().collect();
+        let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        grp.allreduce_add_rmsnorm(
+            &g.stream,
+            &xr,
+            &mut rv,
+            &gr,
+            NORM_EPS,
+            &mut ov,
+            AlgoChoice::PushLl,
+        )
+    };
+    assert!(
+        matches!(r, Err(Error::NormPushLlShape { hidden, .. }) if hidden == c.hidden),
+        "{what}: {r:?}"
+    );
+    grp.check(&g.stream)
+        .unwrap_or_else(|e| panic!("{what}: the refusal left the group unhealthy: {e}"));
+    for r in 0..c.world {
+        assert_eq!(
+            download(g, &rs[r], count),
+            res[r],
+            "{what}: residual {r} changed"
+        );
+        assert!(
+            download(g, &outs[r], count)
+                .iter()
+                .all(|&b| b == poison::<T>().to_bits32()),
+            "{what}: output {r} written"
+        );
+    }
+}
+
 fn fused_add_rmsnorm(g: &Gpu) {
     let mut cases = 0;
+    let mut refused = 0;
     let mut rng = 0x5eed_u64;
     for world in [1usize, 2, 3, 8] {
         // Small buffers, so that larger calls run in row chunks.
@@ -2408,6 +2485,15 @@ fn fused_add_rmsnorm(g: &Gpu) {
                             hidden,
                             seed: 1000 + cases as u64 * 7,
                         };
+                        if algo == AlgoChoice::PushLl && !takes_push_ll(dtype, hidden) {
+                            match dtype {
+                                Dtype::F32 => push_ll_refused_virtual::<f32>(g, &grp, &c),
+                                Dtype::F16 => push_ll_refused_virtual::<half::f16>(g, &grp, &c),
+                                Dtype::Bf16 => push_ll_refused_virtual::<half::bf16>(g, &grp, &c),
+                            }
+                            refused += 1;
+                            continue;
+                        }
                         let in_place = cases % 5 == 0;
                         let used = match dtype {
                             Dtype::F32 => norm_virtual::<f32>(g, &grp, &c, algo, in_place),
@@ -2515,5 +2601,406 @@ fn fused_add_rmsnorm(g: &Gpu) {
             }
         }
     }
-    println!("  {cases} virtual-rank and {peer_cases} PeerGroup fused cases bit-exact (residual out and normed, every rank)");
+    assert!(refused > 0, "no push_ll refusal case ran");
+    println!("  {cases} virtual-rank and {peer_cases} PeerGroup fused cases bit-exact (residual out and normed, every rank); {refused} push_ll calls off the register path refused untouched");
+}
+
+// ---------------------------------------------------------------------------
+// Fused allreduce + residual add + RMSNorm with zero-copy input: registered
+// buffers of VirtualGroup and PeerGroup, eager and graph-captured.
+
+/// Rank `r`'s `(residual, normed)` of a fused call on one group kind, for
+/// the zero-copy cases: uploads `c`'s data (inputs into `reg`, on `streams[r]`),
+/// runs `call`, and returns the algorithm that ran and each rank's
+/// downloaded (residual out, normed), or the call's error with every
+/// residual and output checked untouched.
+#[allow(clippy::type_complexity)]
+fn run_fused_registered<T: Bits>(
+    streams: &[Arc<CudaStream>],
+    reg: &RegisteredBuffers<T>,
+    c: &NormCase,
+    call: &mut dyn FnMut(
+        &mut [CudaSlice<T>],
+        &[CudaSlice<T>],
+        &mut [CudaSlice<T>],
+    ) -> p2p_allreduce::Result<Algorithm>,
+) -> p2p_allreduce::Result<(Algorithm, Vec<(Vec<u32>, Vec<u32>)>)> {
+    let count = c.rows * c.hidden;
+    let (x, res, gam, _) = c.data();
+    let s = |r: usize| &streams[r % streams.len()];
+    for (r, xr) in x.iter().enumerate() {
+        let src = upload_on::<T>(s(r), xr);
+        reg.copy_from(r, s(r), &src.slice(0..count))
+            .expect("registered input");
+    }
+    let mut rs: Vec<CudaSlice<T>> = res
+        .iter()
+        .enumerate()
+        .map(|(r, b)| upload_on(s(r), b))
+        .collect();
+    let gs: Vec<CudaSlice<T>> = gam
+        .iter()
+        .enumerate()
+        .map(|(r, b)| upload_on(s(r), b))
+        .collect();
+    let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|r| poisoned_on(s(r), count)).collect();
+    let r = call(&mut rs, &gs, &mut outs);
+    let got = (0..c.world)
+        .map(|r| {
+            (
+                download_on(s(r), &rs[r], count),
+                download_on(s(r), &outs[r], count),
+            )
+        })
+        .collect::<Vec<_>>();
+    match r {
+        Ok(a) => Ok((a, got)),
+        Err(e) => {
+            for (r, (res_got, out_got)) in got.iter().enumerate() {
+                assert_eq!(res_got, &res[r], "refused call changed residual {r}: {e}");
+                assert!(
+                    out_got.iter().all(|&b| b == poison::<T>().to_bits32()),
+                    "refused call wrote output {r}: {e}"
+                );
+            }
+            Err(e)
+        }
+    }
+}
+
+/// One VirtualGroup zero-copy fused case: bit-exact against the oracle on
+/// every rank, or the refusal `refusal` says to expect (typed, with nothing
+/// written).
+fn fused_registered_virtual<T: Bits>(
+    g: &Gpu,
+    grp: &VirtualGroup,
+    reg: &RegisteredBuffers<T>,
+    c: &NormCase,
+    algo: AlgoChoice,
+    refusal: Option<fn(&Error) -> bool>,
+) {
+    let count = c.rows * c.hidden;
+    let what = format!(
+        "registered virtual {:?} world {} rows {} hidden {} {algo:?}",
+        c.dtype, c.world, c.rows, c.hidden
+    );
+    let streams = std::slice::from_ref(&g.stream);
+    let r = run_fused_registered::<T>(streams, reg, c, &mut |rs, gs, outs| {
+        let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
+        let gr: Vec<&_> = gv.iter().collect();
+        let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        let r = grp.allreduce_add_rmsnorm_registered(
+            &g.stream, reg, count, &mut rv, &gr, NORM_EPS, &mut ov, algo,
+        );
+        grp.check(&g.stream)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        r
+    });
+    match (r, refusal) {
+        (Err(e), Some(expected)) => assert!(expected(&e), "{what}: unexpected refusal {e:?}"),
+        (Err(e), None) => panic!("{what}: {e}"),
+        (Ok(_), Some(_)) => panic!("{what}: ran, but should have been refused"),
+        (Ok((used, got)), None) => {
+            if let Some(a) = algo.explicit() {
+                assert_eq!(used, a, "{what}");
+            }
+            let (_, _, _, want) = c.data();
+            for (r, (res, norm)) in got.iter().enumerate() {
+                check_norm_rank(&what, c.dtype, r, (res, norm), &want[r]);
+            }
+        }
+    }
+}
+
+fn fused_registered(g: &Gpu) {
+    let mut cases = 0;
+    let cfg = Config {
+        max_bytes: 2 << 20,
+        push_ll_max_bytes: 2 << 20,
+        ..Config::default()
+    };
+    let shapes = [
+        (0usize, 7168usize),
+        (1, 7168),
+        (3, 7),
+        (64, 4096),
+        (300, 128),
+        (2, 5120),
+    ];
+    let algos = [
+        AlgoChoice::OneStage,
+        AlgoChoice::TwoStage,
+        AlgoChoice::PushLl,
+        AlgoChoice::Auto,
+    ];
+    for world in [1usize, 2, 3, 8] {
+        let grp = VirtualGroup::new(&g.ctx, world, cfg.clone()).expect("group");
+        for dtype in Dtype::ALL {
+            let cap = 64 * 4096;
+            macro_rules! each {
+                ($T:ty) => {{
+                    let reg = grp.alloc_registered::<$T>(cap).expect("registered");
+                    for &(rows, hidden) in &shapes {
+                        for algo in algos {
+                            let c = NormCase {
+                                dtype,
+                                world,
+                                rows,
+                                hidden,
+                                seed: 20_000 + cases as u64 * 5,
+                            };
+                            let refusal: Option<fn(&Error) -> bool> =
+                                if algo == AlgoChoice::PushLl && !takes_push_ll(dtype, hidden) {
+                                    Some(|e| matches!(e, Error::NormPushLlShape { .. }))
+                                } else {
+                                    None
+                                };
+                            fused_registered_virtual::<$T>(g, &grp, &reg, &c, algo, refusal);
+                            cases += 1;
+                        }
+                    }
+                }};
+            }
+            match dtype {
+                Dtype::F32 => each!(f32),
+                Dtype::F16 => each!(half::f16),
+                Dtype::Bf16 => each!(half::bf16),
+            }
+        }
+    }
+    // Typed refusals, nothing written: rows past the registered buffer,
+    // a buffer of another group, rows past the scratch (explicit
+    // two-stage) or the push_ll zone (explicit push_ll); Auto runs them.
+    let small = Config {
+        max_bytes: 64 << 10,
+        push_ll_max_bytes: 64 << 10,
+        ..Config::default()
+    };
+    let grp = VirtualGroup::new(&g.ctx, 2, small).expect("group");
+    let other = VirtualGroup::new(&g.ctx, 2, cfg.clone()).expect("group");
+    let reg = grp
+        .alloc_registered::<half::bf16>(16 * 7168)
+        .expect("registered");
+    let foreign = other
+        .alloc_registered::<half::bf16>(16 * 7168)
+        .expect("registered");
+    let big = |rows| NormCase {
+        dtype: Dtype::Bf16,
+        world: 2,
+        rows,
+        hidden: 7168,
+        seed: 31,
+    };
+    type Refusal = Option<fn(&Error) -> bool>;
+    let refusals: [(usize, AlgoChoice, Refusal); 4] = [
+        (
+            8,
+            AlgoChoice::TwoStage,
+            Some(|e| matches!(e, Error::ScratchTooSmall { .. })),
+        ),
+        (
+            8,
+            AlgoChoice::PushLl,
+            Some(|e| matches!(e, Error::ZoneTooSmall { .. })),
+        ),
+        (8, AlgoChoice::Auto, None),
+        (8, AlgoChoice::OneStage, None),
+    ];
+    for (rows, algo, refusal) in refusals {
+        fused_registered_virtual::<half::bf16>(g, &grp, &reg, &big(rows), algo, refusal);
+        cases += 1;
+    }
+    let too_many = |e: &Error| {
+        matches!(
+            e,
+            Error::BufferTooSmall {
+                what: "registered buffer",
+                ..
+            }
+        )
+    };
+    let r = run_fused_registered::<half::bf16>(
+        std::slice::from_ref(&g.stream),
+        &foreign,
+        &big(1),
+        &mut |rs, gs, outs| {
+            let gr: Vec<&_> = gs.iter().collect();
+            grp.allreduce_add_rmsnorm_registered(
+                &g.stream,
+                &foreign,
+                7168,
+                rs,
+                &gr,
+                NORM_EPS,
+                outs,
+                AlgoChoice::Auto,
+            )
+        },
+    );
+    assert!(
+        matches!(r, Err(Error::ForeignRegistered)),
+        "foreign: {:?}",
+        r.err()
+    );
+    let c17 = big(17);
+    let mut rs: Vec<CudaSlice<half::bf16>> = (0..2).map(|_| poisoned(g, 17 * 7168)).collect();
+    let gs: Vec<CudaSlice<half::bf16>> = (0..2).map(|_| poisoned(g, 7168)).collect();
+    let gr: Vec<&_> = gs.iter().collect();
+    let mut outs: Vec<CudaSlice<half::bf16>> = (0..2).map(|_| poisoned(g, 17 * 7168)).collect();
+    let r = grp.allreduce_add_rmsnorm_registered(
+        &g.stream,
+        &reg,
+        c17.rows * c17.hidden,
+        &mut rs,
+        &gr,
+        NORM_EPS,
+        &mut outs,
+        AlgoChoice::Auto,
+    );
+    assert!(
+        r.as_ref().is_err_and(too_many),
+        "past the registered buffer: {r:?}"
+    );
+    grp.check(&g.stream)
+        .expect("refusals leave the group healthy");
+
+    // Captured once, replayed with new data in the registered buffers and
+    // new residuals: every replay bit-exact (virtual ranks).
+    let grp = VirtualGroup::new(&g.ctx, 2, cfg.clone()).expect("group");
+    let (rows, hidden) = (3usize, 7168usize);
+    let count = rows * hidden;
+    let reg = grp
+        .alloc_registered::<half::bf16>(count)
+        .expect("registered");
+    let mut rs: Vec<CudaSlice<half::bf16>> = (0..2).map(|_| poisoned(g, count)).collect();
+    let mut gs: Vec<CudaSlice<half::bf16>> = (0..2).map(|_| poisoned(g, hidden)).collect();
+    let mut outs: Vec<CudaSlice<half::bf16>> = (0..2).map(|_| poisoned(g, count)).collect();
+    g.stream.synchronize().expect("sync");
+    let graph = {
+        let gr: Vec<&_> = gs.iter().collect();
+        capture(g, || {
+            grp.allreduce_add_rmsnorm_registered(
+                &g.stream,
+                &reg,
+                count,
+                &mut rs,
+                &gr,
+                NORM_EPS,
+                &mut outs,
+                AlgoChoice::Auto,
+            )
+        })
+    };
+    for it in 0..5u64 {
+        let c = NormCase {
+            dtype: Dtype::Bf16,
+            world: 2,
+            rows,
+            hidden,
+            seed: 40_000 + it,
+        };
+        let (x, res, gam, want) = c.data();
+        for r in 0..2 {
+            let src = upload::<half::bf16>(g, &x[r]);
+            reg.copy_from(r, &g.stream, &src).expect("input");
+            let host = |b: &[u32]| {
+                b.iter()
+                    .map(|&v| half::bf16::from_bits(v as u16))
+                    .collect::<Vec<_>>()
+            };
+            g.stream
+                .memcpy_htod(&host(&res[r]), &mut rs[r])
+                .expect("residual");
+            g.stream
+                .memcpy_htod(&host(&gam[r]), &mut gs[r])
+                .expect("gamma");
+            g.stream
+                .memcpy_htod(&vec![poison::<half::bf16>(); count], &mut outs[r])
+                .expect("poison");
+        }
+        graph.launch().expect("graph launch");
+        grp.check(&g.stream)
+            .unwrap_or_else(|e| panic!("virtual fused graph replay {it}: {e}"));
+        for r in 0..2 {
+            let got = (download(g, &rs[r], count), download(g, &outs[r], count));
+            check_norm_rank(
+                &format!("virtual fused graph replay {it}"),
+                Dtype::Bf16,
+                r,
+                (&got.0, &got.1),
+                &want[r],
+            );
+        }
+        cases += 1;
+    }
+
+    // Real ranks: a PeerGroup on every placement (across GPUs when there
+    // are two), bf16 rows of 7168 and f32 rows of 7 (the tail path).
+    let ctxs = all_gpus(g);
+    let mut peer_cases = 0;
+    for place in placements(ctxs.len()) {
+        let world = place.len();
+        let (pg, streams) = peer_setup(&ctxs, &place, cfg.clone());
+        let reg16 = pg
+            .alloc_registered::<half::bf16>(64 * 7168)
+            .expect("registered");
+        let reg32 = pg.alloc_registered::<f32>(64 * 7168).expect("registered");
+        for (dtype, rows, hidden) in [
+            (Dtype::Bf16, 1usize, 7168usize),
+            (Dtype::Bf16, 64, 7168),
+            (Dtype::Bf16, 0, 7168),
+            (Dtype::F32, 3, 7),
+        ] {
+            for algo in algos {
+                let c = NormCase {
+                    dtype,
+                    world,
+                    rows,
+                    hidden,
+                    seed: 50_000 + peer_cases as u64 * 3,
+                };
+                let count = rows * hidden;
+                let what = format!("registered PeerGroup GPUs {place:?} {dtype:?} rows {rows} hidden {hidden} {algo:?}");
+                let refused = algo == AlgoChoice::PushLl && !takes_push_ll(dtype, hidden);
+                macro_rules! go {
+                    ($T:ty, $reg:expr) => {{
+                        run_fused_registered::<$T>(&streams, $reg, &c, &mut |rs, gs, outs| {
+                            let gv: Vec<_> = gs.iter().map(|s| s.slice(0..hidden)).collect();
+                            let gr: Vec<&_> = gv.iter().collect();
+                            let mut rv: Vec<_> =
+                                rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+                            let mut ov: Vec<_> =
+                                outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+                            let r = pg.allreduce_add_rmsnorm_registered(
+                                &streams, $reg, count, &mut rv, &gr, NORM_EPS, &mut ov, algo,
+                            );
+                            pg.check(&streams).unwrap_or_else(|e| panic!("{what}: {e}"));
+                            r
+                        })
+                    }};
+                }
+                let r = match dtype {
+                    Dtype::F32 => go!(f32, &reg32),
+                    _ => go!(half::bf16, &reg16),
+                };
+                match r {
+                    Err(Error::NormPushLlShape { .. }) if refused => {}
+                    Err(e) => panic!("{what}: {e}"),
+                    Ok(_) if refused => panic!("{what}: ran, but should have been refused"),
+                    Ok((used, got)) => {
+                        if let Some(a) = algo.explicit() {
+                            assert_eq!(used, a, "{what}");
+                        }
+                        let (_, _, _, want) = c.data();
+                        for (r, (res, norm)) in got.iter().enumerate() {
+                            check_norm_rank(&what, dtype, r, (res, norm), &want[r]);
+                        }
+                    }
+                }
+                peer_cases += 1;
+            }
+        }
+    }
+    println!("  {cases} virtual-rank zero-copy fused cases (bit-exact, typed refusals untouched, 5 graph replays) and {peer_cases} PeerGroup ones");
 }

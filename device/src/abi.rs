@@ -284,6 +284,30 @@ pub const NORM_MAX_HIDDEN: usize = 32768;
 /// Chunks of the longest row.
 pub const NORM_MAX_CHUNKS: usize = NORM_MAX_HIDDEN / NORM_CHUNK;
 
+/// Chunks one thread holds in registers on the fused kernels' register
+/// path, for elements of `lanes` per 16-byte pack: two for 16-bit types
+/// (one pack each), one for f32 (two packs; two f32 chunks took 131..162
+/// registers, over the 128 of a 512-thread block).
+pub const fn norm_reg_slots(lanes: usize) -> usize {
+    if lanes == 8 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Whether rows of `hidden` elements (`lanes` per pack) take the fused
+/// kernels' register path with `threads` threads per block: every chunk
+/// whole, at most [`norm_reg_slots`] chunks per thread. The fused push_ll
+/// entries have no other path: the host launches them only for such
+/// shapes, and the kernel records `BAD_LAUNCH` for any other.
+// `is_multiple_of` needs Rust 1.87; the host crate builds with 1.85.
+#[allow(clippy::manual_is_multiple_of)]
+pub const fn norm_reg_path(lanes: usize, hidden: u64, threads: u64) -> bool {
+    hidden % NORM_CHUNK as u64 == 0
+        && hidden / NORM_CHUNK as u64 <= norm_reg_slots(lanes) as u64 * threads
+}
+
 /// The one by-value parameter of the fused allreduce + residual add +
 /// RMSNorm entries (`allreduce_rmsnorm_*`). `base` is an allreduce's, with
 /// `count = rows * hidden` elements and `outputs` the normed results; per

@@ -92,23 +92,67 @@ pub fn shfl_down(v: f32, delta: u32) -> f32 {
 }
 
 /// The block's [`crate::abi::NORM_MAX_CHUNKS`] f32 words of static shared
-/// memory for the fused RMSNorm's sum of squares, as a generic address.
-/// Declared in a nested scope of the kernel that calls this (once, at the
-/// top of the kernel, uniform across the block).
+/// memory for the fused RMSNorm's sum of squares, as a shared-window
+/// address: accessed with `ld.shared` / `st.shared` (a generic volatile
+/// access compiles to a strong system-scope load or store). Declared in a
+/// nested scope of the kernel that calls this (once, at the top of the
+/// kernel, uniform across the block).
 #[inline(always)]
-pub fn norm_shared() -> *mut f32 {
-    let p: u64;
+pub fn norm_shared() -> SharedWords {
+    let p: u32;
     // SAFETY: declares the block's shared array and takes its address; no
     // memory access. 16 KiB = NORM_MAX_CHUNKS * 4 (asserted in abi.rs).
     unsafe {
         asm!(
             "{{ .shared .align 16 .b8 p2p_norm_partials[16384];",
-            "mov.u64 {t}, p2p_norm_partials;",
-            "cvta.shared.u64 {p}, {t}; }}",
-            t = out(reg64) _, p = out(reg64) p,
+            "mov.u32 {p}, p2p_norm_partials; }}",
+            p = out(reg32) p,
             options(nostack, nomem));
     }
-    p as *mut f32
+    SharedWords(p)
+}
+
+/// f32 words of the block's shared memory, from a shared-window address.
+/// Accesses are ordered between threads by `bar.sync` only.
+#[derive(Clone, Copy)]
+pub struct SharedWords(u32);
+
+impl SharedWords {
+    /// The words from word `i` on.
+    #[inline(always)]
+    pub fn offset(self, i: u32) -> SharedWords {
+        SharedWords(self.0 + 4 * i)
+    }
+
+    /// Word `i` (`ld.shared.f32`).
+    ///
+    /// # Safety
+    /// Word `i` lies inside the shared array, and no other thread writes it
+    /// between this thread's last `bar.sync` and this load.
+    #[inline(always)]
+    pub unsafe fn load(self, i: u32) -> f32 {
+        let v: f32;
+        // SAFETY: a shared-memory load inside the array (caller contract).
+        unsafe {
+            asm!("ld.shared.f32 {v}, [{p}];", p = in(reg32) self.0 + 4 * i, v = out(reg32) v,
+                options(nostack, readonly));
+        }
+        v
+    }
+
+    /// Stores `v` into word `i` (`st.shared.f32`).
+    ///
+    /// # Safety
+    /// Word `i` lies inside the shared array, and no other thread reads or
+    /// writes it between the surrounding `bar.sync`s.
+    #[inline(always)]
+    pub unsafe fn store(self, i: u32, v: f32) {
+        // SAFETY: a shared-memory store inside the array (caller contract).
+        unsafe {
+            asm!("st.shared.f32 [{p}], {v};", p = in(reg32) self.0 + 4 * i, v = in(reg32) v,
+                options(nostack));
+        }
+    }
 }
 
 /// `%globaltimer`: a nanosecond clock shared by the whole GPU.

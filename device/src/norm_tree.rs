@@ -17,15 +17,15 @@
 use crate::abi::NORM_MAX_CHUNKS;
 
 /// Lanes of a warp: the width of a group of partials.
-pub const WARP: u64 = 32;
+pub const WARP: u32 = 32;
 
 /// Groups of 32 partials in the longest row.
-pub const MAX_GROUPS: u64 = (NORM_MAX_CHUNKS as u64).div_ceil(WARP);
+pub const MAX_GROUPS: u32 = (NORM_MAX_CHUNKS as u32).div_ceil(WARP);
 
 /// Warp 0 handles the groups in quarters of 32 (one per lane).
 pub const QUARTERS: usize = 4;
 
-const _: () = assert!(MAX_GROUPS <= QUARTERS as u64 * WARP);
+const _: () = assert!(MAX_GROUPS <= QUARTERS as u32 * WARP);
 
 /// Within a warp, at stride `s` (1..=16): whether the lane `lane` holding
 /// item `k` of `n` adds the item held `s` lanes above it. Lane 0 holds an
@@ -34,7 +34,7 @@ const _: () = assert!(MAX_GROUPS <= QUARTERS as u64 * WARP);
 #[inline(always)]
 // `is_multiple_of` needs Rust 1.87; the host crate builds with 1.85.
 #[allow(clippy::manual_is_multiple_of)]
-pub const fn warp_adds(lane: u64, k: u64, n: u64, s: u64) -> bool {
+pub const fn warp_adds(lane: u32, k: u32, n: u32, s: u32) -> bool {
     lane % (2 * s) == 0 && k + s < n
 }
 
@@ -43,7 +43,7 @@ pub const fn warp_adds(lane: u64, k: u64, n: u64, s: u64) -> bool {
 /// tree's order (quarter 0 adds quarter 1 at stride 32 groups, quarter 2
 /// adds quarter 3, then quarter 0 adds quarter 2 at stride 64).
 #[inline(always)]
-pub fn combine_quarters(a: [f32; QUARTERS], groups: u64) -> f32 {
+pub fn combine_quarters(a: [f32; QUARTERS], groups: u32) -> f32 {
     let [mut q0, q1, mut q2, q3] = a;
     if WARP < groups {
         q0 += q1;

@@ -62,6 +62,7 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
         | Error::ScratchTooSmall { .. }
         | Error::NormShape(_)
         | Error::NormAlgorithm(_)
+        | Error::NormPushLlShape { .. }
         | Error::StreamSwitchInCapture
         | Error::StreamDevice { .. }
         | Error::SharedStream { .. }

@@ -84,6 +84,13 @@ def add_rmsnorm_ref(total, residual, weight, eps, hidden):
     return res_out, normed.to(dtype).reshape(-1)
 
 
+def takes_push_ll(dtype, hidden, threads=512):
+    """Whether the fused push_ll kernel takes rows of `hidden` (its register
+    path: whole 8-element chunks, two per thread for 16-bit types, one for
+    f32); other rows are refused with UsageError (docs/design.md)."""
+    return hidden % 8 == 0 and hidden // 8 <= (1 if dtype == torch.float32 else 2) * threads
+
+
 def poison(t):
     t.view(BITS[t.dtype]).fill_(0x7BCD if t.element_size() == 2 else 0x7FBADBAD)
 
@@ -216,6 +223,10 @@ def correctness(c, ca):
                     w = rank_input(c.rank, hidden, dtype, seed + 90000, exp=4)
                     residual, out = res0.to(c.dev), torch.empty(n, dtype=dtype, device=c.dev)
                     poison(out)
+                    if algo == "push_ll" and not takes_push_ll(dtype, hidden):
+                        expect(pa.UsageError, lambda: ca.allreduce_add_rmsnorm(buf[:n], residual, w.to(c.dev), 1e-6, out=out, algorithm=algo), f"registered fused push_ll hidden={hidden}")
+                        same_bits(residual, res0, f"refused registered fused hidden={hidden}: residual untouched")
+                        continue
                     ca.allreduce_add_rmsnorm(buf[:n], residual, w.to(c.dev), 1e-6, out=out, algorithm=algo)
                     assert ca.last_call[0] == "registered", ca.last_call
                     want_res, want_norm = add_rmsnorm_ref(reference(c.world, n, dtype, seed, 40), res0, w, 1e-6, hidden)
@@ -319,6 +330,10 @@ def correctness(c, ca):
                     weight = w.to(c.dev)
                     out = torch.empty_like(x)
                     poison(out)
+                    if algo == "push_ll" and not takes_push_ll(dtype, hidden):
+                        expect(pa.UsageError, lambda: ca.allreduce_add_rmsnorm(x.view(rows, hidden) if n else x, residual, weight, 1e-6, out=out, algorithm=algo), f"fused push_ll {dtype} hidden={hidden}")
+                        same_bits(residual, res0, f"refused fused push_ll {dtype} hidden={hidden}: residual untouched")
+                        continue
                     ca.allreduce_add_rmsnorm(x.view(rows, hidden) if n else x, residual, weight, 1e-6, out=out, algorithm=algo)
                     want_res, want_norm = add_rmsnorm_ref(reference(c.world, n, dtype, seed, 40), res0, w, 1e-6, hidden)
                     what = f"fused {dtype} rows={rows} hidden={hidden} {algo}"

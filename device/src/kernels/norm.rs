@@ -329,7 +329,7 @@ unsafe fn norm_row<E: Element, S: RowSums>(
     row: u64,
     hidden: u64,
     eps: f32,
-    sh: *mut f32,
+    sh: SharedWords,
 ) {
     let tid = thread_idx_x() as u64;
     let nthreads = block_dim_x() as u64;
@@ -375,8 +375,8 @@ unsafe fn norm_row<E: Element, S: RowSums>(
             }
             // SAFETY: ka < kb < chunks <= NORM_MAX_CHUNKS words of `sh`.
             unsafe {
-                write_volatile(sh.add(ka as usize), acc_a);
-                write_volatile(sh.add(kb as usize), acc_b);
+                sh.store(ka as u32, acc_a);
+                sh.store(kb as u32, acc_b);
             }
             k += 2 * nthreads;
         }
@@ -417,12 +417,12 @@ unsafe fn norm_row<E: Element, S: RowSums>(
             }
         }
         // SAFETY: k < chunks <= NORM_MAX_CHUNKS words of `sh`.
-        unsafe { write_volatile(sh.add(k as usize), acc) };
+        unsafe { sh.store(k as u32, acc) };
         k += nthreads;
     }
     sync_threads();
     // SAFETY: `sh` holds the `chunks` partials; every thread of the block.
-    let total = unsafe { tree_sum(sh, chunks) };
+    let total = unsafe { tree_sum(sh, chunks as u32) };
     let inv = 1.0 / sqrt_rn(total / hidden as f32 + eps);
     // Pass 2: the normed row, from the residual out this thread wrote.
     let mut k = tid;
@@ -464,9 +464,9 @@ unsafe fn norm_row<E: Element, S: RowSums>(
 }
 
 /// Runs `$body` for each (slot `j`, pack `m`) of this thread's chunks on
-/// the register path, with `k` the chunk (`tid + j * blockDim.x`), where
-/// the chunk exists and has that pack, in order: slot 0's packs, then slot
-/// 1's. The indices are literals, so `[slot][pack]` arrays stay in
+/// the register path, with `k` the chunk (`tid + j * blockDim.x`, a `u32`),
+/// where the chunk exists and has that pack, in order: slot 0's packs, then
+/// slot 1's. The indices are literals, so `[slot][pack]` arrays stay in
 /// registers: a loop the compiler leaves rolled (the LL waits make bodies
 /// large) would index them at run time, in local memory.
 macro_rules! for_slot_packs {
@@ -480,7 +480,7 @@ macro_rules! for_slot_packs {
      $j:ident, $m:ident, $k:ident, $body:block) => {{
         let $j: usize = $jv;
         let $m: usize = $mv;
-        let $k = thread_idx_x() as u64 + $jv * block_dim_x() as u64;
+        let $k: u32 = thread_idx_x() + $jv * block_dim_x();
         // Both bounds but `$k < $chunks` are constants: the code of a slot
         // or pack the type does not have is not emitted.
         if $j < reg_slots::<$E>() && $m < chunk_packs::<$E>() && $k < $chunks {
@@ -493,16 +493,10 @@ macro_rules! for_slot_packs {
 /// at most: chunks `tid` and `tid + blockDim.x`.
 const REG_SLOTS: usize = 2;
 
-/// Chunks a thread holds on the register path for `E`: two for 16-bit
-/// types (one pack each), one for f32 (two packs): two f32 chunks took
-/// 131..162 registers (ptxas, sm_80..sm_120), over the 128 of a 512-thread
-/// block.
+/// Chunks a thread holds on the register path for `E`
+/// ([`crate::abi::norm_reg_slots`]).
 const fn reg_slots<E: Element>() -> usize {
-    if E::LANES == 8 {
-        2
-    } else {
-        1
-    }
+    crate::abi::norm_reg_slots(E::LANES)
 }
 
 /// Packs of one chunk of `E`.
@@ -526,42 +520,46 @@ const _: () = assert!(2 * REG_HALF_WORDS <= crate::abi::NORM_MAX_CHUNKS);
 /// A thread's packs of one row on the register path: `[slot][pack]`.
 type Slots = [[Pack; MAX_CHUNK_PACKS]; REG_SLOTS];
 
-/// Loads this thread's packs of `row` of `buf` (rows of `hidden` elements;
-/// row 0 for gamma): chunk `tid + j * blockDim.x` into slot `j`, where it
-/// exists.
+/// Loads this thread's packs of a row of `buf` whose first pack is `base`
+/// (row 0 for gamma): chunk `tid + j * blockDim.x` into slot `j`, where it
+/// is below `chunks`.
 ///
 /// # Safety
-/// `buf` holds row `row` (whole packs: `hidden` is a multiple of
-/// [`NORM_CHUNK`]).
+/// `buf` holds packs `base .. base + chunks * packs per chunk` (whole
+/// packs: the row is whole chunks).
 #[inline(always)]
-unsafe fn load_slots<E: Element>(buf: u64, row: u64, hidden: u64) -> Slots {
-    let lanes = E::LANES as u64;
-    let per_chunk = NORM_CHUNK as u64 / lanes;
-    let chunks = hidden / NORM_CHUNK as u64;
-    let base = row * hidden / lanes;
+unsafe fn load_slots<E: Element>(buf: u64, base: u32, chunks: u32) -> Slots {
+    let per_chunk = chunk_packs::<E>() as u32;
     let mut out = [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS];
     for_slot_packs!(E, chunks, |j, m, k| {
         // SAFETY: pack base + k * per_chunk + m lies inside the row (k <
         // chunks; caller contract).
         out[j][m] = unsafe {
-            ld_pack((buf as *const Pack).add((base + k * per_chunk + m as u64) as usize))
+            ld_pack((buf as *const Pack).add((base + k * per_chunk + m as u32) as usize))
         };
     });
     out
 }
 
 /// The register path of a block's rows, taken when every chunk is whole
-/// and a thread holds at most [`REG_SLOTS`] of them: gamma is prefetched
-/// into L1 once per launch (a thread's chunks are the same in every row)
-/// and loaded while the tree runs, each row's residual is loaded a row
-/// ahead (the first before the barriers or the sends), and the residual
-/// out stays in registers from the add to the normed values: no second
-/// pass through memory. Same arithmetic as [`norm_row`], so the same bits;
-/// the GPU suite covers both paths (hidden above `REG_SLOTS * 8 *
-/// blockDim.x` or not a multiple of 8 takes [`norm_row`]).
+/// and a thread holds at most [`REG_SLOTS`] of them
+/// ([`crate::abi::norm_reg_path`]): gamma
+/// is prefetched into L1 once per launch (a thread's chunks are the same in
+/// every row) and loaded while the tree runs, each row's residual is
+/// loaded a row ahead (the first before the barriers or the sends), and
+/// the residual out stays in registers from the add to the normed values:
+/// no second pass through memory. Indices are 32-bit (every pack index of
+/// the launch fits: checked in [`RegRows::prepare`]). Same arithmetic as
+/// [`norm_row`], so the same bits; the GPU suite covers both paths (hidden
+/// above `REG_SLOTS * 8 * blockDim.x` or not a multiple of 8 takes
+/// [`norm_row`]).
 struct RegRows {
     on: bool,
     gamma: u64,
+    /// Chunks of a row.
+    chunks: u32,
+    /// Packs of a row.
+    row_packs: u32,
     /// The next row's residual packs.
     res: Slots,
     /// Which half of `sh` the next row uses.
@@ -569,9 +567,10 @@ struct RegRows {
 }
 
 impl RegRows {
-    /// Decides the path (off unless `enabled`) and, on it, prefetches
-    /// gamma and issues the loads of the block's first row's residual
-    /// (`first_row < rows`).
+    /// Decides the path (off unless `enabled`, the shape takes it
+    /// ([`crate::abi::norm_reg_path`]) and every pack index of the launch fits 32 bits) and,
+    /// on it, prefetches gamma and issues the loads of the block's first
+    /// row's residual (`first_row < rows`).
     ///
     /// # Safety
     /// With `enabled`: `res_in` holds `rows * hidden` elements and `gamma`
@@ -585,58 +584,60 @@ impl RegRows {
         rows: u64,
         hidden: u64,
     ) -> Self {
-        let nthreads = block_dim_x() as u64;
+        let lanes = E::LANES as u64;
         let on = enabled
-            && hidden % NORM_CHUNK as u64 == 0
-            && hidden / (NORM_CHUNK as u64) <= reg_slots::<E>() as u64 * nthreads;
+            && crate::abi::norm_reg_path(E::LANES, hidden, block_dim_x() as u64)
+            && rows
+                .checked_mul(hidden / lanes)
+                .is_some_and(|p| p <= u32::MAX as u64);
+        let chunks = (hidden / NORM_CHUNK as u64) as u32;
         let mut rr = RegRows {
             on,
             gamma,
+            chunks,
+            row_packs: (hidden / lanes) as u32,
             res: [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS],
             half: 0,
         };
         if on {
-            let per_chunk = (NORM_CHUNK / E::LANES) as u64;
-            let chunks = hidden / NORM_CHUNK as u64;
+            let per_chunk = chunk_packs::<E>() as u32;
             for_slot_packs!(E, chunks, |_j, m, k| {
                 // SAFETY: pack k * per_chunk + m of gamma's `hidden`
                 // elements (k < chunks; contract).
-                unsafe { prefetch_l1((gamma as *const Pack).add((k * per_chunk) as usize + m)) };
+                unsafe {
+                    prefetch_l1((gamma as *const Pack).add((k * per_chunk + m as u32) as usize))
+                };
             });
             if first_row < rows {
-                // SAFETY: row `first_row` < rows of the residual (contract).
-                rr.res = unsafe { load_slots::<E>(res_in, first_row, hidden) };
+                // SAFETY: row `first_row` < rows of the residual (contract);
+                // its first pack index fits (`on`).
+                rr.res =
+                    unsafe { load_slots::<E>(res_in, first_row as u32 * rr.row_packs, chunks) };
             }
         }
         rr
     }
 
-    /// Row `row` (its residual loaded by the call before, or by
+    /// Row `row` of `b` (its residual loaded by the call before, or by
     /// [`RegRows::prepare`]), then the loads of row `next` when it is below
-    /// `rows`.
+    /// `b.rows`.
     ///
     /// # Safety
     /// As for [`norm_row`], with `self.on`; `sh` holds `2 *
     /// REG_HALF_WORDS` words.
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn row<E: Element, S: RowSums>(
         &mut self,
         sums: &mut S,
-        res_in: u64,
-        res_out: u64,
-        normed: u64,
+        b: &BlockRows,
         row: u64,
         next: u64,
-        rows: u64,
-        hidden: u64,
-        eps: f32,
-        sh: *mut f32,
+        sh: SharedWords,
     ) {
-        let lanes = E::LANES as u64;
-        let per_chunk = (NORM_CHUNK as u64 / lanes) as usize;
-        let chunks = hidden / NORM_CHUNK as u64;
-        let base = row * hidden / lanes;
+        let per_chunk = chunk_packs::<E>() as u32;
+        let chunks = self.chunks;
+        // Every pack index of the launch fits 32 bits (`on`).
+        let base = row as u32 * self.row_packs;
         let mut q = [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS];
         let mut part = [0f32; REG_SLOTS];
         if S::pairs(per_chunk as u64) {
@@ -644,46 +645,47 @@ impl RegRows {
             // so they are all in flight together.
             for_slot_packs!(E, chunks, |j, m, k| {
                 // SAFETY: the pack lies inside the row (caller contract).
-                q[j][m] = unsafe { sums.pack::<E>(base + k * per_chunk as u64 + m as u64) };
+                q[j][m] = unsafe { sums.pack::<E>((base + k * per_chunk + m as u32) as u64) };
             });
             for_slot_packs!(E, chunks, |j, m, k| {
                 (q[j][m], part[j]) = add_pack::<E>(q[j][m], self.res[j][m], part[j], m == 0);
-                let pi = base + k * per_chunk as u64 + m as u64;
+                let pi = base + k * per_chunk + m as u32;
                 // SAFETY: as above; `res_out` holds the row.
-                unsafe { st_pack((res_out as *mut Pack).add(pi as usize), q[j][m]) };
+                unsafe { st_pack((b.res_out as *mut Pack).add(pi as usize), q[j][m]) };
             });
         } else {
             // A pack at a time (sources whose loads for two chunks would
             // not fit the registers): its store holds the next loads back.
             for_slot_packs!(E, chunks, |j, m, k| {
-                let pi = base + k * per_chunk as u64 + m as u64;
+                let pi = base + k * per_chunk + m as u32;
                 // SAFETY: the pack lies inside the row (caller contract).
-                let s = unsafe { sums.pack::<E>(pi) };
+                let s = unsafe { sums.pack::<E>(pi as u64) };
                 (q[j][m], part[j]) = add_pack::<E>(s, self.res[j][m], part[j], m == 0);
                 // SAFETY: as above; `res_out` holds the row.
-                unsafe { st_pack((res_out as *mut Pack).add(pi as usize), q[j][m]) };
+                unsafe { st_pack((b.res_out as *mut Pack).add(pi as usize), q[j][m]) };
             });
         }
         // Gamma (an L1 hit after the prefetch) and the next row's residual:
         // in flight while the tree runs.
         // SAFETY: gamma holds `hidden` elements (contract).
-        let gamma = unsafe { load_slots::<E>(self.gamma, 0, hidden) };
-        if next < rows {
+        let gamma = unsafe { load_slots::<E>(self.gamma, 0, chunks) };
+        if next < b.rows {
             // SAFETY: row `next` of the residual (next < rows, contract).
-            self.res = unsafe { load_slots::<E>(res_in, next, hidden) };
+            self.res = unsafe { load_slots::<E>(b.res_in, next as u32 * self.row_packs, chunks) };
         }
         // SAFETY: chunks <= REG_SLOTS * blockDim.x (`on`); this row's half
         // of `sh` was last read two rows ago, before the previous row's
         // `bar.sync`s.
-        let total = unsafe { tree_sum_regs(part, chunks, sh.add(self.half * REG_HALF_WORDS)) };
+        let total =
+            unsafe { tree_sum_regs(part, chunks, sh.offset((self.half * REG_HALF_WORDS) as u32)) };
         self.half ^= 1;
-        let inv = 1.0 / sqrt_rn(total / hidden as f32 + eps);
+        let inv = 1.0 / sqrt_rn(total / b.hidden as f32 + b.eps);
         for_slot_packs!(E, chunks, |j, m, k| {
-            let pi = base + k * per_chunk as u64 + m as u64;
+            let pi = base + k * per_chunk + m as u32;
             // SAFETY: as above; `normed` holds the row.
             unsafe {
                 st_pack_streaming(
-                    (normed as *mut Pack).add(pi as usize),
+                    (b.normed as *mut Pack).add(pi as usize),
                     normed_pack::<E>(q[j][m], gamma[j][m], inv),
                 )
             };
@@ -707,11 +709,10 @@ struct BlockRows {
     eps: f32,
 }
 
-/// The block's rows ([`BlockRows`]), each from
-/// `sums` ([`RowSums::for_row`] first), on the register path when `rr` is
-/// on, else by [`norm_row`]: one loop per path, so the fallback never
-/// holds the register path's values. A source that can fail ends the loop
-/// after a row where any thread's wait failed (a `bar.red.or` vote).
+/// The block's rows ([`BlockRows`]), each from `sums`
+/// ([`RowSums::for_row`] first), on the register path when `rr` is on,
+/// else by [`norm_row`]: one loop per path, so the fallback never holds the
+/// register path's values.
 ///
 /// # Safety
 /// As for [`norm_row`], for every row below `rows`; `rr` was prepared for
@@ -721,47 +722,65 @@ unsafe fn norm_rows<E: Element, S: RowSums>(
     sums: &mut S,
     rr: &mut RegRows,
     b: &BlockRows,
-    sh: *mut f32,
+    sh: SharedWords,
 ) {
-    let BlockRows {
-        first,
-        step,
-        rows,
-        hidden,
-        eps,
-        ..
-    } = *b;
-    let mut row = first;
-    if rr.on {
-        while row < rows {
-            let next = row + step;
-            sums.for_row(row);
-            // SAFETY: forwarded caller contract; `sh` holds NORM_MAX_CHUNKS
-            // = 2 * REG_HALF_WORDS words.
-            unsafe {
-                rr.row::<E, S>(
-                    sums, b.res_in, b.res_out, b.normed, row, next, rows, hidden, eps, sh,
-                )
-            };
-            if S::CAN_FAIL && sync_threads_or(sums.failed()) {
-                return;
-            }
-            row = next;
+    // SAFETY (both arms): forwarded caller contract.
+    unsafe {
+        if rr.on {
+            reg_rows::<E, S>(sums, rr, b, sh)
+        } else {
+            two_pass_rows::<E, S>(sums, b, sh)
         }
-    } else {
-        while row < rows {
-            sums.for_row(row);
-            // SAFETY: forwarded caller contract.
-            unsafe {
-                norm_row::<E, S>(
-                    sums, b.res_in, b.res_out, b.gamma, b.normed, row, hidden, eps, sh,
-                )
-            };
-            if S::CAN_FAIL && sync_threads_or(sums.failed()) {
-                return;
-            }
-            row += step;
+    }
+}
+
+/// The block's rows on the register path ([`RegRows::row`]). A source that
+/// can fail ends the loop after a row where any thread's wait failed (a
+/// `bar.red.or` vote).
+///
+/// # Safety
+/// As for [`norm_rows`], with `rr.on`.
+#[inline(always)]
+unsafe fn reg_rows<E: Element, S: RowSums>(
+    sums: &mut S,
+    rr: &mut RegRows,
+    b: &BlockRows,
+    sh: SharedWords,
+) {
+    let mut row = b.first;
+    while row < b.rows {
+        let next = row + b.step;
+        sums.for_row(row);
+        // SAFETY: forwarded caller contract; `sh` holds NORM_MAX_CHUNKS
+        // = 2 * REG_HALF_WORDS words.
+        unsafe { rr.row::<E, S>(sums, b, row, next, sh) };
+        if S::CAN_FAIL && sync_threads_or(sums.failed()) {
+            return;
         }
+        row = next;
+    }
+}
+
+/// The block's rows by [`norm_row`] (any shape), with the same vote as
+/// [`reg_rows`].
+///
+/// # Safety
+/// As for [`norm_rows`].
+#[inline(always)]
+unsafe fn two_pass_rows<E: Element, S: RowSums>(sums: &mut S, b: &BlockRows, sh: SharedWords) {
+    let mut row = b.first;
+    while row < b.rows {
+        sums.for_row(row);
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            norm_row::<E, S>(
+                sums, b.res_in, b.res_out, b.gamma, b.normed, row, b.hidden, b.eps, sh,
+            )
+        };
+        if S::CAN_FAIL && sync_threads_or(sums.failed()) {
+            return;
+        }
+        row += b.step;
     }
 }
 
@@ -771,11 +790,11 @@ unsafe fn norm_rows<E: Element, S: RowSums>(
 /// exists. Lane 0 returns the sum of its 32 items in the tree's order.
 /// Every lane of the warp must call it together.
 #[inline(always)]
-fn warp_tree(v: f32, lane: u64, k: u64, n: u64) -> f32 {
+fn warp_tree(v: f32, lane: u32, k: u32, n: u32) -> f32 {
     let mut v = v;
-    let mut s = 1u64;
+    let mut s = 1u32;
     while s < 32 {
-        let other = shfl_down(v, s as u32);
+        let other = shfl_down(v, s);
         if warp_adds(lane, k, n, s) {
             v += other;
         }
@@ -799,9 +818,9 @@ fn warp_tree(v: f32, lane: u64, k: u64, n: u64) -> f32 {
 /// `bar.sync`; every thread of the block calls it (it contains
 /// `bar.sync`); `blockDim.x` is a multiple of 32.
 #[inline(always)]
-unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
-    let tid = thread_idx_x() as u64;
-    let nthreads = block_dim_x() as u64;
+unsafe fn tree_sum(sh: SharedWords, chunks: u32) -> f32 {
+    let tid = thread_idx_x();
+    let nthreads = block_dim_x();
     let lane = tid % WARP;
     // Strides 1..16: within each warp's group of 32 chunks, slot by slot.
     let slots = chunks.div_ceil(nthreads);
@@ -810,14 +829,14 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
         let k = slot * nthreads + tid;
         // SAFETY: k < chunks is inside `sh`; others read nothing.
         let v = if k < chunks {
-            unsafe { read_volatile(sh.add(k as usize)) }
+            unsafe { sh.load(k) }
         } else {
             0.0
         };
         let v = warp_tree(v, lane, k, chunks);
         if lane == 0 && k < chunks {
             // SAFETY: the group's first word, read above by this lane only.
-            unsafe { write_volatile(sh.add(k as usize), v) };
+            unsafe { sh.store(k, v) };
         }
         slot += 1;
     }
@@ -836,19 +855,19 @@ unsafe fn tree_sum(sh: *mut f32, chunks: u64) -> f32 {
 /// between rows); every thread of the block calls it; `blockDim.x` is a
 /// multiple of 32.
 #[inline(always)]
-unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u64, sh: *mut f32) -> f32 {
-    let tid = thread_idx_x() as u64;
-    let nthreads = block_dim_x() as u64;
+unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u32, sh: SharedWords) -> f32 {
+    let tid = thread_idx_x();
+    let nthreads = block_dim_x();
     let lane = tid % WARP;
     let mut j = 0;
     while j < REG_SLOTS {
         // Slot j exists where any chunk of it does (no 64-bit division).
-        if (j as u64) * nthreads < chunks {
-            let k = j as u64 * nthreads + tid;
+        if (j as u32) * nthreads < chunks {
+            let k = j as u32 * nthreads + tid;
             let v = warp_tree(if k < chunks { part[j] } else { 0.0 }, lane, k, chunks);
             if lane == 0 && k < chunks {
                 // SAFETY: word k < chunks of `sh`, written by this lane only.
-                unsafe { write_volatile(sh.add(k as usize), v) };
+                unsafe { sh.store(k, v) };
             }
         }
         j += 1;
@@ -866,8 +885,8 @@ unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u64, sh: *mut f32) -> f3
 /// The group sums of `chunks` partials are in `sh` (written before this
 /// call, by this block); every thread of the block calls it.
 #[inline(always)]
-unsafe fn groups_sum(sh: *mut f32, chunks: u64) -> f32 {
-    let tid = thread_idx_x() as u64;
+unsafe fn groups_sum(sh: SharedWords, chunks: u32) -> f32 {
+    let tid = thread_idx_x();
     let lane = tid % WARP;
     sync_threads();
     // Strides of 32 chunks and more: groups g = 32 j + lane (j = 0..4) in
@@ -877,10 +896,10 @@ unsafe fn groups_sum(sh: *mut f32, chunks: u64) -> f32 {
         let mut a = [0f32; QUARTERS];
         let mut j = 0;
         while j < QUARTERS {
-            let g = WARP * j as u64 + lane;
+            let g = WARP * j as u32 + lane;
             // SAFETY: g < groups: word 32 g < chunks is inside `sh`.
             let v = if g < groups {
-                unsafe { read_volatile(sh.add((WARP * g) as usize)) }
+                unsafe { sh.load(WARP * g) }
             } else {
                 0.0
             };
@@ -891,12 +910,12 @@ unsafe fn groups_sum(sh: *mut f32, chunks: u64) -> f32 {
             // Strides of 32 and 64 groups (1024 and 2048 chunks).
             let total = combine_quarters(a, groups);
             // SAFETY: word 0 of `sh`.
-            unsafe { write_volatile(sh, total) };
+            unsafe { sh.store(0, total) };
         }
     }
     sync_threads();
     // SAFETY: word 0, final after the bar.sync.
-    unsafe { read_volatile(sh) }
+    unsafe { sh.load(0) }
 }
 
 /// Rounded sums of row `row` into `dst` (two-stage, stage 1), by every
@@ -1103,7 +1122,25 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
         return;
     }
-    if hidden as usize > NORM_MAX_HIDDEN || rows.checked_mul(hidden) != Some(a.count) {
+    let res_in = pick::<N>(&p.residual, rank);
+    let gamma = pick::<N>(&p.gamma, rank);
+    // Gamma and the first row's residual: in flight during the sends.
+    // SAFETY: enabled only where `rows * hidden == count`, the size of the
+    // buffers the launch contract gives.
+    let mut rr = unsafe {
+        RegRows::prepare::<E>(
+            rows.checked_mul(hidden) == Some(a.count),
+            res_in,
+            gamma,
+            block_idx_x() as u64,
+            rows,
+            hidden,
+        )
+    };
+    // This kernel has only the register path: the host launches it only
+    // for shapes that take it (`abi::norm_reg_path`), and any other is a
+    // bad launch, not a silent fallback.
+    if !rr.on {
         if thread_idx_x() == 0 {
             let own_sig = pick::<N>(&a.signals, rank);
             // SAFETY: `own_sig` is this rank's own signal (contract).
@@ -1122,14 +1159,8 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
         }
         return;
     }
-    let res_in = pick::<N>(&p.residual, rank);
     let res_out = pick::<N>(&p.residual_out, rank);
-    let gamma = pick::<N>(&p.gamma, rank);
     let normed = pick::<N>(&a.outputs, rank);
-    // Gamma and the first row's residual: in flight during the sends.
-    // SAFETY: the buffers of the launch contract (rows and hidden checked).
-    let mut rr =
-        unsafe { RegRows::prepare::<E>(true, res_in, gamma, block_idx_x() as u64, rows, hidden) };
     // SAFETY: the launch contract.
     let Some(PushStart {
         own_sig,
@@ -1147,13 +1178,7 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     let stride = (nblocks * nthreads) as u64;
     // SAFETY: the launch contract (zone and input sizes); on the register
     // path rows are whole chunks, so `count` is a multiple of the lanes.
-    unsafe {
-        if rr.on {
-            super::push_ll::ll_send::<E, N, true>(a, rank, own_in, epoch, g, stride)
-        } else {
-            super::push_ll::ll_send::<E, N, false>(a, rank, own_in, epoch, g, stride)
-        }
-    };
+    unsafe { super::push_ll::ll_send::<E, N, true>(a, rank, own_in, epoch, g, stride) };
     // Every thread of the block read the old epoch; commit the new one.
     sync_threads();
     // SAFETY: own signal; every thread of the block, after the bar.sync.
@@ -1185,9 +1210,9 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
         eps: p.eps,
     };
     // SAFETY: every row below `rows` is inside every buffer and the zone's
-    // parts (contract); `sh` is this block's shared array; hidden <=
-    // NORM_MAX_HIDDEN (checked); `rr` prepared for row `block`.
-    unsafe { norm_rows::<E, _>(&mut sums, &mut rr, &b, sh) };
+    // parts (contract); `sh` is this block's shared array; `rr` is on
+    // (checked) and prepared for row `block`.
+    unsafe { reg_rows::<E, _>(&mut sums, &mut rr, &b, sh) };
 }
 
 macro_rules! ll_norm_entries {

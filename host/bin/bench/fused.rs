@@ -101,7 +101,7 @@ pub(super) fn run_fused(args: &BenchArgs, hidden: usize) -> ExitCode {
         args.per_graph
     );
     println!(
-        "# unfused = our allreduce (Auto) + our add + RMSNorm kernel per rank; allreduce = the plain allreduce (Auto) of the same bytes"
+        "# unfused = our allreduce (Auto) + our add + RMSNorm kernel per rank; allreduce = the plain allreduce (Auto) of the same bytes; zc = zero-copy (registered input, no staging copy), Auto"
     );
     println!(
         "{:>6} {:>10} {:>6} {:>18} {:>10}",
@@ -141,6 +141,7 @@ fn measure_world(
     // allreduce rows is by size, as with the default zone.
     let cfg = Config {
         push_ll_max_bytes: (64 * hidden * 4).next_multiple_of(4096),
+        threads_per_block: args.threads,
         ..Config::with_max_bytes((2 * max_rows * hidden * 2).next_multiple_of(1 << 20))
     };
     let timing = Timing {
@@ -175,6 +176,15 @@ fn measure_world(
     } else {
         Some(VirtualGroup::new(&ctxs[0], world, cfg.clone())?)
     };
+    // Zero-copy inputs: every rank's x in a registered buffer of the group.
+    let reg = match (&peer, &virt) {
+        (Some(p), _) => p.alloc_registered::<half::bf16>(max_rows * hidden)?,
+        (_, Some(v)) => v.alloc_registered::<half::bf16>(max_rows * hidden)?,
+        _ => unreachable!("one group kind is set"),
+    };
+    for (r, x) in b.x.iter().enumerate() {
+        reg.copy_from(r, rank_stream(r), x)?;
+    }
     let check = || -> Result<()> {
         match (&peer, &virt) {
             (Some(p), _) => p.check(&streams),
@@ -192,6 +202,8 @@ fn measure_world(
             "fused auto",
             "unfused",
             "allreduce",
+            "fused zc",
+            "allreduce zc",
         ] {
             let mut enqueue = || -> Result<()> {
                 let Bufs {
@@ -211,6 +223,41 @@ fn measure_world(
                     "fused push_ll" => AlgoChoice::PushLl,
                     _ => AlgoChoice::Auto,
                 };
+                if what == "fused zc" {
+                    let mut rs: Vec<_> =
+                        residual.iter_mut().map(|v| v.slice_mut(0..count)).collect();
+                    let mut os: Vec<_> = normed.iter_mut().map(|v| v.slice_mut(0..count)).collect();
+                    match (&peer, &virt) {
+                        (Some(p), _) => p.allreduce_add_rmsnorm_registered(
+                            &streams, &reg, count, &mut rs, &gr, EPS, &mut os, algo,
+                        )?,
+                        (_, Some(v)) => v.allreduce_add_rmsnorm_registered(
+                            &streams[0],
+                            &reg,
+                            count,
+                            &mut rs,
+                            &gr,
+                            EPS,
+                            &mut os,
+                            algo,
+                        )?,
+                        _ => unreachable!("one group kind is set"),
+                    };
+                    return Ok(());
+                }
+                if what == "allreduce zc" {
+                    let mut ts: Vec<_> = tmp.iter_mut().map(|v| v.slice_mut(0..count)).collect();
+                    match (&peer, &virt) {
+                        (Some(p), _) => {
+                            p.allreduce_registered(&streams, &reg, count, &mut ts, algo)?
+                        }
+                        (_, Some(v)) => {
+                            v.allreduce_registered(&streams[0], &reg, count, &mut ts, algo)?
+                        }
+                        _ => unreachable!("one group kind is set"),
+                    };
+                    return Ok(());
+                }
                 if what.starts_with("fused") {
                     let mut rs: Vec<_> =
                         residual.iter_mut().map(|v| v.slice_mut(0..count)).collect();
