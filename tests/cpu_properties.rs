@@ -1206,11 +1206,12 @@ use p2p_allreduce::device::norm_tree::{self, combine_quarters, warp_adds, QUARTE
 /// The warp's width, as the model's `u64` indices.
 const WARP: u64 = norm_tree::WARP as u64;
 
-/// `warp_tree` of one warp: `v[l]` is lane l's item `ks[l]` of `n`; at each
-/// stride (in the order of `strides`) a lane reads the value `s` lanes above it as `shfl.down` does
+/// `warp_tree` of one warp: `v[l]` is lane l's item, +0.0 where the item
+/// does not exist (as the kernels load it); at each stride (in the order of
+/// `strides`) a lane reads the value `s` lanes above it as `shfl.down` does
 /// (its own value when that lane is past the warp), then adds it if
 /// `warp_adds` says so. Lane 0's value is returned.
-fn model_warp_tree(v: &mut [f32; 32], ks: &[u64; 32], n: u64, strides: &[u64]) -> f32 {
+fn model_warp_tree(v: &mut [f32; 32], strides: &[u64]) -> f32 {
     for &s in strides {
         let before = *v;
         for l in 0..32u64 {
@@ -1219,7 +1220,7 @@ fn model_warp_tree(v: &mut [f32; 32], ks: &[u64; 32], n: u64, strides: &[u64]) -
             } else {
                 before[l as usize]
             };
-            if warp_adds(l as u32, ks[l as usize] as u32, n as u32, s as u32) {
+            if warp_adds(l as u32, s as u32) {
                 v[l as usize] += other;
             }
         }
@@ -1254,7 +1255,7 @@ fn model_tree_sum_with(
                 ks[l as usize] = k;
                 v[l as usize] = if k < chunks { sh[k as usize] } else { 0.0 };
             }
-            let first = model_warp_tree(&mut v, &ks, chunks, strides);
+            let first = model_warp_tree(&mut v, strides);
             if ks[0] < chunks {
                 sh[ks[0] as usize] = first;
             }
@@ -1264,17 +1265,15 @@ fn model_tree_sum_with(
     let mut a = [0f32; QUARTERS];
     for (j, q) in a.iter_mut().enumerate() {
         let mut v = [0f32; 32];
-        let mut ks = [0u64; 32];
         for l in 0..32u64 {
             let g = WARP * j as u64 + l;
-            ks[l as usize] = g;
             v[l as usize] = if g < groups {
                 sh[(WARP * g) as usize]
             } else {
                 0.0
             };
         }
-        *q = model_warp_tree(&mut v, &ks, groups, strides);
+        *q = model_warp_tree(&mut v, strides);
     }
     combine(a, groups as u32)
 }

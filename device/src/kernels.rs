@@ -240,6 +240,18 @@ unsafe fn commit_epoch(
     }
 }
 
+/// The epoch block `block` of this rank last committed (`epoch[block]` of
+/// its own signal); the next collective's is [`next_epoch`] of it.
+///
+/// # Safety
+/// `own_sig` is this rank's own [`Signal`] and `block < MAX_BLOCKS`.
+#[inline(always)]
+unsafe fn read_epoch(own_sig: u64, block: u32) -> u32 {
+    let p = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *const u32;
+    // SAFETY: `epoch[block]` of this rank's own signal (caller contract).
+    unsafe { read_volatile(p) }
+}
+
 /// Reads element `idx` (bits in the low bits) of a buffer of `E`.
 ///
 /// # Safety
@@ -592,25 +604,25 @@ unsafe fn push_start<const N: usize>(
     let tid = thread_idx_x();
     let nthreads = block_dim_x();
     let own_sig = pick::<N>(&a.signals, rank);
-    // SAFETY: `a.table` points to a RankTable the host filled (contract).
-    let own_in = unsafe { (*(a.table as *const RankTable)).inputs[rank as usize] };
-    let code = if nblocks as usize > MAX_BLOCKS || (barriers && (nthreads as usize) < N) {
-        error_code::BAD_LAUNCH
-    } else if own_in == 0 {
-        error_code::UNREGISTERED
-    } else {
-        error_code::NONE
-    };
-    if code != error_code::NONE {
+    let fail = |code| {
         if tid == 0 {
             // SAFETY: `own_sig` is this rank's own signal (contract).
             unsafe { record_error(own_sig, a.host_error, code, rank, block, 0, 0, 0) };
         }
-        return None;
+        None
+    };
+    if nblocks as usize > MAX_BLOCKS || (barriers && (nthreads as usize) < N) {
+        return fail(error_code::BAD_LAUNCH);
     }
-    let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
-    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
-    let epoch = next_epoch(unsafe { read_volatile(epoch_ptr) });
+    // SAFETY: `a.table` points to a RankTable the host filled (contract).
+    let own_in = unsafe { (*(a.table as *const RankTable)).inputs[rank as usize] };
+    // SAFETY: own signal, block < MAX_BLOCKS (checked). Read before
+    // `own_in` is looked at, so both loads are in flight together.
+    let prev = unsafe { read_epoch(own_sig, block) };
+    if own_in == 0 {
+        return fail(error_code::UNREGISTERED);
+    }
+    let epoch = next_epoch(prev);
     Some(PushStart {
         own_sig,
         own_in,

@@ -27,15 +27,19 @@ pub const QUARTERS: usize = 4;
 
 const _: () = assert!(MAX_GROUPS <= QUARTERS as u32 * WARP);
 
-/// Within a warp, at stride `s` (1..=16): whether the lane `lane` holding
-/// item `k` of `n` adds the item held `s` lanes above it. Lane 0 holds an
-/// item whose index is a multiple of 32, so `lane % (2s) == 0` is `k % (2s)
-/// == 0`, the tree's rule.
+/// Within a warp, at stride `s` (1..=16): whether the lane `lane` adds the
+/// value held `s` lanes above it. Lane 0 holds an item whose index is a
+/// multiple of 32, so `lane % (2s) == 0` is `k % (2s) == 0`, the tree's
+/// rule. The tree adds item k + s only where it exists (k + s < n); a lane
+/// whose item does not exist holds +0.0 instead, and adding +0.0 leaves
+/// every partial (a sum of squares: +0.0, positive, +inf or NaN) as it
+/// was, bit for bit, so the rule needs no bound and the order is the
+/// tree's.
 #[inline(always)]
 // `is_multiple_of` needs Rust 1.87; the host crate builds with 1.85.
 #[allow(clippy::manual_is_multiple_of)]
-pub const fn warp_adds(lane: u32, k: u32, n: u32, s: u32) -> bool {
-    lane % (2 * s) == 0 && k + s < n
+pub const fn warp_adds(lane: u32, s: u32) -> bool {
+    lane % (2 * s) == 0
 }
 
 /// The strides of 32 and 64 groups: `a[j]` is the tree sum of the groups

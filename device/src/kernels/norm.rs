@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::abi::{NormArgs, NORM_CHUNK, NORM_MAX_HIDDEN};
+use crate::ll::{Lines, PackSlot};
 use crate::norm_tree::{combine_quarters, warp_adds, QUARTERS, WARP};
 
 /// Where a fused row's rounded sums come from: reduced from every rank's
@@ -36,6 +37,29 @@ trait RowSums {
     /// # Safety
     /// `idx` lies inside the message.
     unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32;
+    /// The rounded sums of packs `a` (where `has_a`) and `b` (where
+    /// `has_b`; zeros for a pack not asked for): a thread's two places of a
+    /// row on the register path, asked for together so that a source can
+    /// have both in flight at once.
+    ///
+    /// # Safety
+    /// As for [`RowSums::pack`], for each pack asked for.
+    #[inline(always)]
+    unsafe fn pack2<E: Element>(
+        &mut self,
+        a: u64,
+        has_a: bool,
+        b: u64,
+        has_b: bool,
+    ) -> (Pack, Pack) {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            (
+                if has_a { self.pack::<E>(a) } else { [0; 4] },
+                if has_b { self.pack::<E>(b) } else { [0; 4] },
+            )
+        }
+    }
 }
 
 /// One-stage: every rank's input, reduced in rank order.
@@ -162,22 +186,55 @@ struct LlSums<const N: usize> {
     failed: bool,
 }
 
-impl<const N: usize> LlSums<N> {
-    /// Pack `pi` of source `r`; `WHOLE`: the pack lies wholly inside the
-    /// message.
-    ///
-    /// # Safety
-    /// `pi < ceil(count / lanes)` (WHOLE: `(pi + 1) * lanes <= count`); the
-    /// zone is this rank's (contract).
-    #[inline(always)]
-    unsafe fn source<E: Element, const WHOLE: bool>(&mut self, r: usize, pi: u64) -> Pack {
-        if r as u32 == self.rank {
-            // SAFETY: pack `pi` of this rank's input (caller contract; with
-            // WHOLE, the pack lies inside the message).
-            return unsafe { super::push_ll::ld_own::<E, WHOLE>(self.own_in, pi, self.count) };
+/// Runs `$body` for `$r` = 0, 1, ... below `$n` (at most
+/// [`MAX_RANKS`]) as literals: arrays indexed by `$r` stay in registers
+/// even where the body is too large for the compiler to unroll a loop
+/// (the LL waits), which would index them at run time, in local memory.
+macro_rules! for_ranks {
+    ($n:expr, |$r:ident| $body:block) => {{
+        for_ranks!(@one $n, $r, $body, 0);
+        for_ranks!(@one $n, $r, $body, 1);
+        for_ranks!(@one $n, $r, $body, 2);
+        for_ranks!(@one $n, $r, $body, 3);
+        for_ranks!(@one $n, $r, $body, 4);
+        for_ranks!(@one $n, $r, $body, 5);
+        for_ranks!(@one $n, $r, $body, 6);
+        for_ranks!(@one $n, $r, $body, 7);
+    }};
+    (@one $n:expr, $r:ident, $body:block, $v:literal) => {{
+        let $r: usize = $v;
+        if $r < $n {
+            $body
         }
+    }};
+}
+
+const _: () = assert!(MAX_RANKS == 8, "for_ranks! spells out ranks 0..8");
+
+/// Ranks up to which [`LlSums::pack2`] has every source's lines of both
+/// packs in flight together (`2 * (N - 1)` lines of 32 bytes in registers;
+/// more ranks wait pack by pack, as [`LlSums::pack`]: 3 ranks took up to
+/// 146 registers on sm_90, over the 128 of a 512-thread block).
+const LL_PAIRS_MAX_RANKS: usize = 2;
+
+impl<const N: usize> LlSums<N> {
+    /// Where source `r`'s lines of pack `pi` land in this rank's zone.
+    #[inline(always)]
+    fn slot(&self, r: usize, pi: u64) -> super::push_ll::GpuSlot {
         let part = crate::ll::slot(self.epoch, N as u64, r as u64, self.landing_part);
-        let slot = super::push_ll::GpuSlot(self.zone + part + pi * crate::ll::LL_PACK_BYTES as u64);
+        super::push_ll::GpuSlot(self.zone + part + pi * crate::ll::LL_PACK_BYTES as u64)
+    }
+
+    /// Source `r`'s (a peer's) pack `pi`: from `look`, a first load of its
+    /// lines, when that carries this collective's epoch, else waited for.
+    /// A wait that times out records the error, counts as zeros and sets
+    /// `failed`.
+    #[inline(always)]
+    fn finish(&mut self, r: usize, pi: u64, look: Lines) -> Pack {
+        if let Some(p) = crate::ll::decode(&look, self.epoch) {
+            return p;
+        }
+        let slot = self.slot(r, pi);
         match crate::ll::wait_pack(&slot, self.epoch, self.timeout_ns, &mut GlobalTimer) {
             Some(p) => p,
             None => {
@@ -203,6 +260,23 @@ impl<const N: usize> LlSums<N> {
             }
         }
     }
+
+    /// Pack `pi` of source `r`; `WHOLE`: the pack lies wholly inside the
+    /// message.
+    ///
+    /// # Safety
+    /// `pi < ceil(count / lanes)` (WHOLE: `(pi + 1) * lanes <= count`); the
+    /// zone is this rank's (contract).
+    #[inline(always)]
+    unsafe fn source<E: Element, const WHOLE: bool>(&mut self, r: usize, pi: u64) -> Pack {
+        if r as u32 == self.rank {
+            // SAFETY: pack `pi` of this rank's input (caller contract; with
+            // WHOLE, the pack lies inside the message).
+            return unsafe { super::push_ll::ld_own::<E, WHOLE>(self.own_in, pi, self.count) };
+        }
+        let look = self.slot(r, pi).load();
+        self.finish(r, pi, look)
+    }
 }
 
 impl<const N: usize> RowSums for LlSums<N> {
@@ -212,11 +286,12 @@ impl<const N: usize> RowSums for LlSums<N> {
         self.failed
     }
     #[inline(always)]
-    fn pairs(_: u64) -> bool {
-        // Waits poll one pack at a time, and two chunks' lines and waits
-        // took up to 140 registers (ptxas, sm_120): over the 128 of a
-        // 512-thread block.
-        false
+    fn pairs(per_chunk: u64) -> bool {
+        // `pack2` looks at both packs of every source at once up to
+        // LL_PAIRS_MAX_RANKS ranks, for 16-bit types (f32, two packs per
+        // chunk, took 134 registers on sm_80 with 2 ranks); the others
+        // wait pack by pack.
+        N <= LL_PAIRS_MAX_RANKS && per_chunk == 1
     }
     #[inline(always)]
     unsafe fn pack<E: Element>(&mut self, pi: u64) -> Pack {
@@ -236,6 +311,77 @@ impl<const N: usize> RowSums for LlSums<N> {
             r += 1;
         }
         E::pack(&acc)
+    }
+    #[inline(always)]
+    unsafe fn pack2<E: Element>(
+        &mut self,
+        a: u64,
+        has_a: bool,
+        b: u64,
+        has_b: bool,
+    ) -> (Pack, Pack) {
+        if N > LL_PAIRS_MAX_RANKS {
+            // SAFETY: forwarded caller contract.
+            return unsafe {
+                (
+                    if has_a { self.pack::<E>(a) } else { [0; 4] },
+                    if has_b { self.pack::<E>(b) } else { [0; 4] },
+                )
+            };
+        }
+        // First looks: this rank's two packs and every peer's lines of
+        // both, all loads in flight before any is waited for; then the
+        // sums in rank order, seeded with rank 0's values, waiting only
+        // for lines that had not arrived.
+        let mut look = [[[[0u64; 2]; 2]; 2]; N];
+        let mut own = [[0u32; 4]; 2];
+        for_ranks!(N, |r| {
+            if r as u32 == self.rank {
+                // SAFETY: packs `a`, `b` of this rank's input, whole (the
+                // caller contract: rows of whole chunks).
+                unsafe {
+                    if has_a {
+                        own[0] = super::push_ll::ld_own::<E, true>(self.own_in, a, self.count);
+                    }
+                    if has_b {
+                        own[1] = super::push_ll::ld_own::<E, true>(self.own_in, b, self.count);
+                    }
+                }
+            } else {
+                if has_a {
+                    look[r][0] = self.slot(r, a).load();
+                }
+                if has_b {
+                    look[r][1] = self.slot(r, b).load();
+                }
+            }
+        });
+        let mut acc = [[0f32; 8]; 2];
+        for_ranks!(N, |r| {
+            let mine = r as u32 == self.rank;
+            let xa = if !has_a {
+                [0; 4]
+            } else if mine {
+                own[0]
+            } else {
+                self.finish(r, a, look[r][0])
+            };
+            let xb = if !has_b {
+                [0; 4]
+            } else if mine {
+                own[1]
+            } else {
+                self.finish(r, b, look[r][1])
+            };
+            let (xa, xb) = (E::unpack(xa), E::unpack(xb));
+            let mut l = 0;
+            while l < 8 {
+                acc[0][l] = if r == 0 { xa[l] } else { acc[0][l] + xa[l] };
+                acc[1][l] = if r == 0 { xb[l] } else { acc[1][l] + xb[l] };
+                l += 1;
+            }
+        });
+        (E::pack(&acc[0]), E::pack(&acc[1]))
     }
     #[inline(always)]
     unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32 {
@@ -642,11 +788,26 @@ impl RegRows {
         let mut part = [0f32; REG_SLOTS];
         if S::pairs(per_chunk as u64) {
             // Every sum first: no store between the loads (or the waits),
-            // so they are all in flight together.
-            for_slot_packs!(E, chunks, |j, m, k| {
-                // SAFETY: the pack lies inside the row (caller contract).
-                q[j][m] = unsafe { sums.pack::<E>((base + k * per_chunk + m as u32) as u64) };
-            });
+            // so they are all in flight together. A thread's two places:
+            // (slot 0, pack 0) and, 16-bit, (slot 1, pack 0), f32, (slot 0,
+            // pack 1).
+            let (j1, m1) = if reg_slots::<E>() == 2 {
+                (1, 0)
+            } else {
+                (0, 1)
+            };
+            let k0 = thread_idx_x();
+            let k1 = k0 + j1 as u32 * block_dim_x();
+            // SAFETY: each pack asked for lies inside the row (k < chunks;
+            // caller contract).
+            (q[0][0], q[j1][m1]) = unsafe {
+                sums.pack2::<E>(
+                    (base + k0 * per_chunk) as u64,
+                    k0 < chunks,
+                    (base + k1 * per_chunk + m1 as u32) as u64,
+                    k1 < chunks,
+                )
+            };
             for_slot_packs!(E, chunks, |j, m, k| {
                 (q[j][m], part[j]) = add_pack::<E>(q[j][m], self.res[j][m], part[j], m == 0);
                 let pi = base + k * per_chunk + m as u32;
@@ -785,17 +946,18 @@ unsafe fn two_pass_rows<E: Element, S: RowSums>(sums: &mut S, b: &BlockRows, sh:
 }
 
 /// Strides 1..16 of the pairwise tree inside one warp: lane `lane` holds
-/// item `k` (of `n`; lane 0 holds a multiple of 32); at stride s, a lane
-/// that is a multiple of 2s adds the lane s above it when item k + s
-/// exists. Lane 0 returns the sum of its 32 items in the tree's order.
-/// Every lane of the warp must call it together.
+/// item `k` (of `n`; lane 0 holds a multiple of 32), or +0.0 where item k
+/// does not exist (k >= n); at stride s, a lane that is a multiple of 2s
+/// adds the lane s above it ([`warp_adds`]: an absent item adds +0.0, which
+/// changes no partial). Lane 0 returns the sum of its 32 items in the
+/// tree's order. Every lane of the warp must call it together.
 #[inline(always)]
-fn warp_tree(v: f32, lane: u32, k: u32, n: u32) -> f32 {
+fn warp_tree(v: f32, lane: u32) -> f32 {
     let mut v = v;
     let mut s = 1u32;
     while s < 32 {
         let other = shfl_down(v, s);
-        if warp_adds(lane, k, n, s) {
+        if warp_adds(lane, s) {
             v += other;
         }
         s *= 2;
@@ -833,7 +995,7 @@ unsafe fn tree_sum(sh: SharedWords, chunks: u32) -> f32 {
         } else {
             0.0
         };
-        let v = warp_tree(v, lane, k, chunks);
+        let v = warp_tree(v, lane);
         if lane == 0 && k < chunks {
             // SAFETY: the group's first word, read above by this lane only.
             unsafe { sh.store(k, v) };
@@ -864,7 +1026,7 @@ unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u32, sh: SharedWords) ->
         // Slot j exists where any chunk of it does (no 64-bit division).
         if (j as u32) * nthreads < chunks {
             let k = j as u32 * nthreads + tid;
-            let v = warp_tree(if k < chunks { part[j] } else { 0.0 }, lane, k, chunks);
+            let v = warp_tree(if k < chunks { part[j] } else { 0.0 }, lane);
             if lane == 0 && k < chunks {
                 // SAFETY: word k < chunks of `sh`, written by this lane only.
                 unsafe { sh.store(k, v) };
@@ -903,7 +1065,7 @@ unsafe fn groups_sum(sh: SharedWords, chunks: u32) -> f32 {
             } else {
                 0.0
             };
-            a[j] = warp_tree(v, lane, g, groups);
+            a[j] = warp_tree(v, lane);
             j += 1;
         }
         if lane == 0 {
@@ -1021,6 +1183,13 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
         missing |= t.inputs[r] == 0;
         r += 1;
     }
+    // Read before the table's answer is needed, so the loads overlap.
+    let prev = if bad {
+        0
+    } else {
+        // SAFETY: own signal; block < MAX_BLOCKS (not `bad`).
+        unsafe { read_epoch(own_sig, block) }
+    };
     let code = if bad {
         error_code::BAD_LAUNCH
     } else if missing {
@@ -1040,9 +1209,7 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     } else {
         Algorithm::OneStage
     };
-    let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
-    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
-    let epoch = next_epoch(unsafe { read_volatile(epoch_ptr) });
+    let epoch = next_epoch(prev);
     // SAFETY: (every barrier below) the group's signals, rank < N, block <
     // MAX_BLOCKS, blockDim.x >= N (checked), uniform control flow.
     if !unsafe { block_barrier::<N>(a, algo, own_sig, rank, block, BarrierKind::Start, epoch) } {

@@ -91,6 +91,13 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     let mut r = 0;
     while r < N {
         inputs[r] = t.inputs[r] as *const Pack;
+        r += 1;
+    }
+    // SAFETY: own signal, block < MAX_BLOCKS (checked above). Read before
+    // the inputs are looked at, so the loads are in flight together.
+    let prev = unsafe { read_epoch(own_sig, block) };
+    let mut r = 0;
+    while r < N {
         missing |= inputs[r].is_null();
         r += 1;
     }
@@ -114,9 +121,6 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
     }
     let output = pick::<N>(&a.outputs, rank);
     let out = output as *mut Pack;
-    let epoch_ptr = (own_sig as usize + Signal::EPOCH_OFFSET + 4 * block as usize) as *mut u32;
-    // SAFETY: `epoch[block]` of this rank's own signal; block < MAX_BLOCKS.
-    let prev = unsafe { read_volatile(epoch_ptr) };
     let epoch = next_epoch(prev);
 
     // SAFETY: (this and the later barrier sites) the signals are the
