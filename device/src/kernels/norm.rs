@@ -53,12 +53,28 @@ trait RowSums {
         has_b: bool,
     ) -> (Pack, Pack) {
         // SAFETY: forwarded caller contract.
-        unsafe {
-            (
-                if has_a { self.pack::<E>(a) } else { [0; 4] },
-                if has_b { self.pack::<E>(b) } else { [0; 4] },
-            )
-        }
+        unsafe { pack_each::<E, Self>(self, a, has_a, b, has_b) }
+    }
+}
+
+/// [`RowSums::pack2`] as two [`RowSums::pack`] calls, one after the other.
+///
+/// # Safety
+/// As for [`RowSums::pack`], for each pack asked for.
+#[inline(always)]
+unsafe fn pack_each<E: Element, S: RowSums + ?Sized>(
+    s: &mut S,
+    a: u64,
+    has_a: bool,
+    b: u64,
+    has_b: bool,
+) -> (Pack, Pack) {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        (
+            if has_a { s.pack::<E>(a) } else { [0; 4] },
+            if has_b { s.pack::<E>(b) } else { [0; 4] },
+        )
     }
 }
 
@@ -322,12 +338,7 @@ impl<const N: usize> RowSums for LlSums<N> {
     ) -> (Pack, Pack) {
         if N > LL_PAIRS_MAX_RANKS {
             // SAFETY: forwarded caller contract.
-            return unsafe {
-                (
-                    if has_a { self.pack::<E>(a) } else { [0; 4] },
-                    if has_b { self.pack::<E>(b) } else { [0; 4] },
-                )
-            };
+            return unsafe { pack_each::<E, Self>(self, a, has_a, b, has_b) };
         }
         // First looks: this rank's two packs and every peer's lines of
         // both, all loads in flight before any is waited for; then the
