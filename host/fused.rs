@@ -632,6 +632,51 @@ mod tests {
     }
 
     #[test]
+    fn plan_threads_keep_register_path_rows_on_it() {
+        // The kernel takes the register path with the launch's block
+        // (`blockDim.x = plan.threads`), and the fused push_ll has no other:
+        // whatever block the plan picks must keep a register-path row on it.
+        for max in [32u32, 64, 96, 256, 512, 1024] {
+            let c = Config {
+                threads_per_block: max,
+                ..Config::with_max_bytes(1 << 20)
+            };
+            for dtype in Dtype::ALL {
+                for hidden in 0..=16_400usize {
+                    let p = NormPlan::new(
+                        &c,
+                        dtype,
+                        1,
+                        hidden.max(1),
+                        2,
+                        Link::NvLink,
+                        AlgoChoice::OneStage,
+                        Inputs::Staged,
+                    )
+                    .expect("plan");
+                    let lanes = dtype.lanes();
+                    let on = norm_reg_path(lanes, p.hidden as u64, max as u64);
+                    assert!(p.threads % 32 == 0 && (32..=max).contains(&p.threads));
+                    if on {
+                        assert!(
+                            norm_reg_path(lanes, p.hidden as u64, p.threads as u64),
+                            "{dtype:?} hidden {hidden}: {} threads leave the register path",
+                            p.threads
+                        );
+                        // No more warps than the row's chunks need.
+                        assert!(
+                            p.threads == 32
+                                || !norm_reg_path(lanes, p.hidden as u64, p.threads as u64 - 32)
+                        );
+                    } else {
+                        assert_eq!(p.threads, max, "{dtype:?} hidden {hidden}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn zero_copy_plans_are_one_launch() {
         let c = Config::with_max_bytes(1 << 20);
         let zc = |rows, choice| {
