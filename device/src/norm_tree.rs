@@ -32,9 +32,9 @@ const _: () = assert!(MAX_GROUPS <= QUARTERS as u32 * WARP);
 /// multiple of 32, so `lane % (2s) == 0` is `k % (2s) == 0`, the tree's
 /// rule. The tree adds item k + s only where it exists (k + s < n); a lane
 /// whose item does not exist holds +0.0 instead, and adding +0.0 leaves
-/// every partial (a sum of squares: +0.0, positive, +inf or NaN) as it
-/// was, bit for bit, so the rule needs no bound and the order is the
-/// tree's.
+/// every partial (a sum of squares: +0.0, positive or +inf) as it was, bit
+/// for bit (a NaN stays a NaN; its payload is free by the contract), so the
+/// rule needs no bound and the order is the tree's.
 #[inline(always)]
 // `is_multiple_of` needs Rust 1.87; the host crate builds with 1.85.
 #[allow(clippy::manual_is_multiple_of)]
