@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Inputs, Link};
 use crate::ptx::{Entry, Op};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use std::sync::Arc;
 
 /// Device pointers of one fused call, by rank (zero for ranks another
@@ -84,6 +84,8 @@ impl NormPlan {
         let ll_zone = config.push_ll_max_bytes;
         let max_threads = config.threads_per_block;
         let reg_path = norm_reg_path(dtype.lanes(), hidden as u64, max_threads as u64);
+        // Elements one thread holds on the register path.
+        let per_thread = NORM_CHUNK * norm_reg_slots(dtype.lanes());
         let algorithm = match choice {
             AlgoChoice::Auto => match config.choose(AlgoChoice::Auto, total, world, link) {
                 Algorithm::TwoStage => Algorithm::TwoStage,
@@ -97,7 +99,7 @@ impl NormPlan {
                 return Err(Error::NormPushLlShape {
                     dtype,
                     hidden,
-                    max_hidden: NORM_CHUNK * norm_reg_slots(dtype.lanes()) * max_threads as usize,
+                    max_hidden: per_thread * max_threads as usize,
                     threads: max_threads,
                 })
             }
@@ -110,7 +112,7 @@ impl NormPlan {
         // Register path: a warp per 32 threads the chunks need, at most the
         // configured block (a multiple of 32, checked by Config).
         let threads = if reg_path {
-            let need = hidden.div_ceil(NORM_CHUNK * norm_reg_slots(dtype.lanes()));
+            let need = hidden.div_ceil(per_thread);
             (need.div_ceil(32) * 32).clamp(32, max_threads as usize) as u32
         } else {
             max_threads
@@ -284,6 +286,43 @@ impl NormPtrs {
     }
 }
 
+/// Device pointers of one buffer per rank, buffer r's taken on
+/// `streams[r % streams.len()]` (a stream per rank, or one for every rank),
+/// with the guards that order them on those streams: keep it until the
+/// work that uses the pointers is enqueued.
+pub(crate) struct RankPtrs<'a> {
+    pub ptrs: Vec<u64>,
+    _guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> RankPtrs<'a> {
+    /// Pointers for reading.
+    pub(crate) fn of<T, B: DevicePtr<T> + 'a>(
+        bufs: impl IntoIterator<Item = &'a B>,
+        streams: &'a [Arc<CudaStream>],
+    ) -> Self {
+        let (ptrs, _guards) = bufs
+            .into_iter()
+            .enumerate()
+            .map(|(r, b)| b.device_ptr(&streams[r % streams.len()]))
+            .unzip();
+        RankPtrs { ptrs, _guards }
+    }
+
+    /// Pointers for writing.
+    pub(crate) fn of_mut<T, B: DevicePtrMut<T>>(
+        bufs: &'a mut [B],
+        streams: &'a [Arc<CudaStream>],
+    ) -> Self {
+        let (ptrs, _guards) = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, b)| b.device_ptr_mut(&streams[r % streams.len()]))
+            .unzip();
+        RankPtrs { ptrs, _guards }
+    }
+}
+
 /// Where a fused call's inputs are read from.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum NormInputs<'a> {
@@ -449,9 +488,7 @@ impl Collective {
         }
         Ok(plan.algorithm)
     }
-}
 
-impl Collective {
     /// Fused call with zero-copy input: the first `rows * hidden` elements
     /// of each rank's registered buffer (`reg`, which must belong to this
     /// group: `ForeignRegistered`, and hold them: `BufferTooSmall`), read

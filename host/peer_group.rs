@@ -8,7 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
-use crate::fused::{norm_shape, NormInputs, NormPtrs};
+use crate::fused::{norm_shape, NormInputs, NormPtrs, RankPtrs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -258,28 +258,11 @@ impl PeerGroup {
             normed.iter().map(|o| o.len()),
             eps,
         )?;
-        let ins: Vec<_> = inputs
-            .iter()
-            .zip(streams)
-            .map(|(b, s)| b.device_ptr(s))
-            .collect();
-        let res: Vec<_> = residual
-            .iter_mut()
-            .zip(streams)
-            .map(|(b, s)| b.device_ptr_mut(s))
-            .collect();
-        let gam: Vec<_> = gamma
-            .iter()
-            .zip(streams)
-            .map(|(b, s)| b.device_ptr(s))
-            .collect();
-        let outs: Vec<_> = normed
-            .iter_mut()
-            .zip(streams)
-            .map(|(b, s)| b.device_ptr_mut(s))
-            .collect();
-        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
-        let ptrs = NormPtrs::in_place_residual(&raw(&ins), &raw(&res), &raw(&gam), &raw(&outs));
+        let ins = RankPtrs::of(inputs.iter().copied(), streams);
+        let res = RankPtrs::of_mut(residual, streams);
+        let gam = RankPtrs::of(gamma.iter().copied(), streams);
+        let outs = RankPtrs::of_mut(normed, streams);
+        let ptrs = NormPtrs::in_place_residual(&ins.ptrs, &res.ptrs, &gam.ptrs, &outs.ptrs);
         let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: every pointer comes from a live slice or view on its
         // rank's device holding what `norm_shape` checked, guarded until
@@ -472,24 +455,11 @@ impl PeerGroup {
             normed.iter().map(|o| o.len()),
             eps,
         )?;
-        let res: Vec<_> = residual
-            .iter_mut()
-            .zip(streams)
-            .map(|(b, s)| b.device_ptr_mut(s))
-            .collect();
-        let gam: Vec<_> = gamma
-            .iter()
-            .zip(streams)
-            .map(|(b, s)| b.device_ptr(s))
-            .collect();
-        let outs: Vec<_> = normed
-            .iter_mut()
-            .zip(streams)
-            .map(|(b, s)| b.device_ptr_mut(s))
-            .collect();
-        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
+        let res = RankPtrs::of_mut(residual, streams);
+        let gam = RankPtrs::of(gamma.iter().copied(), streams);
+        let outs = RankPtrs::of_mut(normed, streams);
         let ins: Vec<u64> = (0..reg.ranks()).map(|r| reg.ptr(r)).collect();
-        let ptrs = NormPtrs::in_place_residual(&ins, &raw(&res), &raw(&gam), &raw(&outs));
+        let ptrs = NormPtrs::in_place_residual(&ins, &res.ptrs, &gam.ptrs, &outs.ptrs);
         let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: residuals, gammas and outputs are live slices or views on
         // their ranks' devices holding what `norm_shape` checked, guarded

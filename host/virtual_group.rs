@@ -8,7 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
-use crate::fused::{norm_shape, NormInputs, NormPtrs};
+use crate::fused::{norm_shape, NormInputs, NormPtrs, RankPtrs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -229,18 +229,12 @@ impl VirtualGroup {
             normed.iter().map(|o| o.len()),
             eps,
         )?;
-        let ins: Vec<_> = inputs.iter().map(|s| s.device_ptr(stream)).collect();
-        let res: Vec<_> = residual
-            .iter_mut()
-            .map(|s| s.device_ptr_mut(stream))
-            .collect();
-        let gam: Vec<_> = gamma.iter().map(|s| s.device_ptr(stream)).collect();
-        let outs: Vec<_> = normed
-            .iter_mut()
-            .map(|s| s.device_ptr_mut(stream))
-            .collect();
-        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
-        let ptrs = NormPtrs::in_place_residual(&raw(&ins), &raw(&res), &raw(&gam), &raw(&outs));
+        let one = std::slice::from_ref(stream);
+        let ins = RankPtrs::of(inputs.iter().copied(), one);
+        let res = RankPtrs::of_mut(residual, one);
+        let gam = RankPtrs::of(gamma.iter().copied(), one);
+        let outs = RankPtrs::of_mut(normed, one);
+        let ptrs = NormPtrs::in_place_residual(&ins.ptrs, &res.ptrs, &gam.ptrs, &outs.ptrs);
         // SAFETY: every pointer comes from a live slice or view holding
         // what `norm_shape` checked, guarded until the work is enqueued.
         unsafe {
@@ -289,15 +283,11 @@ impl VirtualGroup {
             std::iter::empty(),
             eps,
         )?;
-        let xs: Vec<_> = x.iter_mut().map(|s| s.device_ptr_mut(stream)).collect();
-        let res: Vec<_> = residual
-            .iter_mut()
-            .map(|s| s.device_ptr_mut(stream))
-            .collect();
-        let gam: Vec<_> = gamma.iter().map(|s| s.device_ptr(stream)).collect();
-        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
-        let x = raw(&xs);
-        let ptrs = NormPtrs::in_place_residual(&x, &raw(&res), &raw(&gam), &x);
+        let one = std::slice::from_ref(stream);
+        let xs = RankPtrs::of_mut(x, one);
+        let res = RankPtrs::of_mut(residual, one);
+        let gam = RankPtrs::of(gamma.iter().copied(), one);
+        let ptrs = NormPtrs::in_place_residual(&xs.ptrs, &res.ptrs, &gam.ptrs, &xs.ptrs);
         // SAFETY: live buffers holding what `norm_shape` checked; inputs are
         // staged, so writing the normed rows over them is allowed.
         unsafe {
@@ -407,18 +397,12 @@ impl VirtualGroup {
             normed.iter().map(|o| o.len()),
             eps,
         )?;
-        let res: Vec<_> = residual
-            .iter_mut()
-            .map(|s| s.device_ptr_mut(stream))
-            .collect();
-        let gam: Vec<_> = gamma.iter().map(|s| s.device_ptr(stream)).collect();
-        let outs: Vec<_> = normed
-            .iter_mut()
-            .map(|s| s.device_ptr_mut(stream))
-            .collect();
-        let raw = |v: &[(u64, _)]| v.iter().map(|p| p.0).collect::<Vec<u64>>();
+        let one = std::slice::from_ref(stream);
+        let res = RankPtrs::of_mut(residual, one);
+        let gam = RankPtrs::of(gamma.iter().copied(), one);
+        let outs = RankPtrs::of_mut(normed, one);
         let ins: Vec<u64> = (0..reg.ranks()).map(|r| reg.ptr(r)).collect();
-        let ptrs = NormPtrs::in_place_residual(&ins, &raw(&res), &raw(&gam), &raw(&outs));
+        let ptrs = NormPtrs::in_place_residual(&ins, &res.ptrs, &gam.ptrs, &outs.ptrs);
         // SAFETY: residuals, gammas and outputs are live slices or views
         // holding what `norm_shape` checked, guarded until the work is
         // enqueued; they cannot overlap the registered buffers, which only
