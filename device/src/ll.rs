@@ -60,8 +60,12 @@ pub const fn encode(p: Pack, epoch: u32) -> Lines {
 /// The pack carried by `l`, if every word of it carries `epoch`.
 #[inline(always)]
 pub const fn decode(l: &Lines, epoch: u32) -> Option<Pack> {
-    let e = epoch as u64;
-    if (l[0][0] >> 32) == e && (l[0][1] >> 32) == e && (l[1][0] >> 32) == e && (l[1][1] >> 32) == e
+    // 32-bit compares of the high words (a 64-bit compare of the shifted
+    // word costs two instructions each).
+    const fn hi(w: u64) -> u32 {
+        (w >> 32) as u32
+    }
+    if hi(l[0][0]) == epoch && hi(l[0][1]) == epoch && hi(l[1][0]) == epoch && hi(l[1][1]) == epoch
     {
         Some([
             l[0][0] as u32,

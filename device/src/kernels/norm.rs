@@ -37,44 +37,18 @@ trait RowSums {
     /// # Safety
     /// `idx` lies inside the message.
     unsafe fn elem<E: Element>(&mut self, idx: u64) -> f32;
-    /// The rounded sums of packs `a` (where `has_a`) and `b` (where
-    /// `has_b`; zeros for a pack not asked for): a thread's two places of a
+    /// The rounded sums of packs `a` and `b`: a thread's two places of a
     /// row on the register path, asked for together so that a source can
-    /// have both in flight at once.
+    /// have both in flight at once. A place the thread does not hold is
+    /// asked for as a present pack (the caller clamps it) and its result
+    /// ignored: no branch and no zeroed registers for absent places.
     ///
     /// # Safety
-    /// As for [`RowSums::pack`], for each pack asked for.
+    /// As for [`RowSums::pack`], for each pack.
     #[inline(always)]
-    unsafe fn pack2<E: Element>(
-        &mut self,
-        a: u64,
-        has_a: bool,
-        b: u64,
-        has_b: bool,
-    ) -> (Pack, Pack) {
+    unsafe fn pack2<E: Element>(&mut self, a: u64, b: u64) -> (Pack, Pack) {
         // SAFETY: forwarded caller contract.
-        unsafe { pack_each::<E, Self>(self, a, has_a, b, has_b) }
-    }
-}
-
-/// [`RowSums::pack2`] as two [`RowSums::pack`] calls, one after the other.
-///
-/// # Safety
-/// As for [`RowSums::pack`], for each pack asked for.
-#[inline(always)]
-unsafe fn pack_each<E: Element, S: RowSums + ?Sized>(
-    s: &mut S,
-    a: u64,
-    has_a: bool,
-    b: u64,
-    has_b: bool,
-) -> (Pack, Pack) {
-    // SAFETY: forwarded caller contract.
-    unsafe {
-        (
-            if has_a { s.pack::<E>(a) } else { [0; 4] },
-            if has_b { s.pack::<E>(b) } else { [0; 4] },
-        )
+        unsafe { (self.pack::<E>(a), self.pack::<E>(b)) }
     }
 }
 
@@ -329,62 +303,63 @@ impl<const N: usize> RowSums for LlSums<N> {
         E::pack(&acc)
     }
     #[inline(always)]
-    unsafe fn pack2<E: Element>(
-        &mut self,
-        a: u64,
-        has_a: bool,
-        b: u64,
-        has_b: bool,
-    ) -> (Pack, Pack) {
+    unsafe fn pack2<E: Element>(&mut self, a: u64, b: u64) -> (Pack, Pack) {
         if N > LL_PAIRS_MAX_RANKS {
             // SAFETY: forwarded caller contract.
-            return unsafe { pack_each::<E, Self>(self, a, has_a, b, has_b) };
+            return unsafe { (self.pack::<E>(a), self.pack::<E>(b)) };
         }
         // First looks: this rank's two packs and every peer's lines of
         // both, all loads in flight before any is waited for; then the
-        // sums in rank order, seeded with rank 0's values, waiting only
-        // for lines that had not arrived.
-        let mut look = [[[[0u64; 2]; 2]; 2]; N];
+        // waits (their order changes no value), then the sums in rank
+        // order, seeded with rank 0's values. Peer `q` is rank `q` below
+        // this rank and `q + 1` from it on: no branch on the rank, and
+        // arrays indexed by literals only (registers).
+        let peer_rank = |q: usize, rank: u32| q + (q as u32 >= rank) as usize;
+        // Every address before any load: the loads then go out together.
+        let mut at = [[0u64; 2]; MAX_RANKS];
+        for_ranks!(N - 1, |q| {
+            let r = peer_rank(q, self.rank);
+            at[q] = [self.slot(r, a).0, self.slot(r, b).0];
+        });
+        let own_at = [
+            self.own_in + a * size_of::<Pack>() as u64,
+            self.own_in + b * size_of::<Pack>() as u64,
+        ];
+        let mut look = [[[[0u64; 2]; 2]; 2]; MAX_RANKS];
         let mut own = [[0u32; 4]; 2];
-        for_ranks!(N, |r| {
-            if r as u32 == self.rank {
-                // SAFETY: packs `a`, `b` of this rank's input, whole (the
-                // caller contract: rows of whole chunks).
-                unsafe {
-                    if has_a {
-                        own[0] = super::push_ll::ld_own::<E, true>(self.own_in, a, self.count);
-                    }
-                    if has_b {
-                        own[1] = super::push_ll::ld_own::<E, true>(self.own_in, b, self.count);
-                    }
-                }
-            } else {
-                if has_a {
-                    look[r][0] = self.slot(r, a).load();
-                }
-                if has_b {
-                    look[r][1] = self.slot(r, b).load();
-                }
-            }
+        // A branch that is always taken (an input is never at address 0):
+        // the block boundary keeps ptxas from moving the first pack's
+        // flag tests (and a stall on them) ahead of the other loads.
+        if own_at[0] != 0 {
+            for_ranks!(N - 1, |q| {
+                look[q] = [
+                    super::push_ll::GpuSlot(at[q][0]).load(),
+                    super::push_ll::GpuSlot(at[q][1]).load(),
+                ];
+            });
+            // SAFETY: packs `a`, `b` of this rank's input, whole (the
+            // caller contract: rows of whole chunks).
+            own = unsafe {
+                [
+                    ld_pack(own_at[0] as *const Pack),
+                    ld_pack(own_at[1] as *const Pack),
+                ]
+            };
+        }
+        let mut peer = [[[0u32; 4]; 2]; MAX_RANKS];
+        for_ranks!(N - 1, |q| {
+            let r = peer_rank(q, self.rank);
+            peer[q] = [self.finish(r, a, look[q][0]), self.finish(r, b, look[q][1])];
         });
         let mut acc = [[0f32; 8]; 2];
         for_ranks!(N, |r| {
-            let mine = r as u32 == self.rank;
-            let xa = if !has_a {
-                [0; 4]
-            } else if mine {
-                own[0]
-            } else {
-                self.finish(r, a, look[r][0])
-            };
-            let xb = if !has_b {
-                [0; 4]
-            } else if mine {
-                own[1]
-            } else {
-                self.finish(r, b, look[r][1])
-            };
-            let (xa, xb) = (E::unpack(xa), E::unpack(xb));
+            let mut x = own;
+            for_ranks!(N - 1, |q| {
+                if peer_rank(q, self.rank) == r {
+                    x = peer[q];
+                }
+            });
+            let (xa, xb) = (E::unpack(x[0]), E::unpack(x[1]));
             let mut l = 0;
             while l < 8 {
                 acc[0][l] = if r == 0 { xa[l] } else { acc[0][l] + xa[l] };
@@ -809,16 +784,17 @@ impl RegRows {
             };
             let k0 = thread_idx_x();
             let k1 = k0 + j1 as u32 * block_dim_x();
-            // SAFETY: each pack asked for lies inside the row (k < chunks;
-            // caller contract).
-            (q[0][0], q[j1][m1]) = unsafe {
-                sums.pack2::<E>(
-                    (base + k0 * per_chunk) as u64,
-                    k0 < chunks,
-                    (base + k1 * per_chunk + m1 as u32) as u64,
-                    k1 < chunks,
-                )
+            // A place this thread does not hold asks for the row's first
+            // pack (or its first place's) instead; its sums go unused.
+            let a = base + if k0 < chunks { k0 * per_chunk } else { 0 };
+            let bp = if k1 < chunks {
+                base + k1 * per_chunk + m1 as u32
+            } else {
+                a
             };
+            // SAFETY: both packs lie inside the row (clamped above; caller
+            // contract).
+            (q[0][0], q[j1][m1]) = unsafe { sums.pack2::<E>(a as u64, bp as u64) };
             for_slot_packs!(E, chunks, |j, m, k| {
                 (q[j][m], part[j]) = add_pack::<E>(q[j][m], self.res[j][m], part[j], m == 0);
                 let pi = base + k * per_chunk + m as u32;
@@ -1165,6 +1141,29 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     let nthreads = block_dim_x();
     let own_sig = pick::<N>(&a.signals, rank);
     let (rows, hidden) = (p.rows, p.hidden);
+    // The pointer table and the block's epoch first: the epoch heads the
+    // longest chain (the Start barrier's round trips); the loads below
+    // overlap them.
+    // SAFETY: `a.table` points to a RankTable the host filled (contract).
+    let t = unsafe { &*(a.table as *const RankTable) };
+    let mut missing = false;
+    let mut r = 0;
+    while r < N {
+        missing |= t.inputs[r] == 0;
+        r += 1;
+    }
+    // SAFETY: own signal; the block index is below MAX_BLOCKS (block 0 past
+    // it: such a launch is bad, and the value is never used).
+    let prev = unsafe {
+        read_epoch(
+            own_sig,
+            if (block as usize) < MAX_BLOCKS {
+                block
+            } else {
+                0
+            },
+        )
+    };
     let bad = nblocks as usize > MAX_BLOCKS
         || (nthreads as usize) < N
         || hidden as usize > NORM_MAX_HIDDEN
@@ -1174,7 +1173,8 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     let gamma = pick::<N>(&p.gamma, rank);
     let normed = pick::<N>(&a.outputs, rank);
     // Gamma and the first row's residual are this rank's own buffers: their
-    // loads go out before the table is read and the barriers are waited.
+    // loads go out while the table and the epoch are read and before the
+    // barriers are waited.
     // SAFETY: the buffers the launch contract gives (unless `bad`).
     let mut rr = unsafe {
         RegRows::prepare::<E>(
@@ -1185,21 +1185,6 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
             rows,
             hidden,
         )
-    };
-    // SAFETY: `a.table` points to a RankTable the host filled (contract).
-    let t = unsafe { &*(a.table as *const RankTable) };
-    let mut missing = false;
-    let mut r = 0;
-    while r < N {
-        missing |= t.inputs[r] == 0;
-        r += 1;
-    }
-    // Read before the table's answer is needed, so the loads overlap.
-    let prev = if bad {
-        0
-    } else {
-        // SAFETY: own signal; block < MAX_BLOCKS (not `bad`).
-        unsafe { read_epoch(own_sig, block) }
     };
     let code = if bad {
         error_code::BAD_LAUNCH
@@ -1297,9 +1282,12 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
 unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u32) {
     let a = &p.base;
     let (rows, hidden) = (p.rows, p.hidden);
-    if (a.absent_ranks >> rank) & 1 != 0 || rank as usize >= N {
+    // The table and epoch loads first: they head the longest chain (own
+    // input, sends, the peers' waits); the work below overlaps them.
+    // SAFETY: the launch contract.
+    let Some(begun) = (unsafe { PushBegun::issue::<N>(a, rank, false) }) else {
         return;
-    }
+    };
     let res_in = pick::<N>(&p.residual, rank);
     let gamma = pick::<N>(&p.gamma, rank);
     // Gamma and the first row's residual: in flight during the sends.
@@ -1339,7 +1327,6 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     }
     let res_out = pick::<N>(&p.residual_out, rank);
     let normed = pick::<N>(&a.outputs, rank);
-    // SAFETY: the launch contract.
     let Some(PushStart {
         own_sig,
         own_in,
@@ -1348,7 +1335,7 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
         tid,
         nthreads,
         epoch,
-    }) = (unsafe { push_start::<N>(a, rank, false) })
+    }) = begun.check(a)
     else {
         return;
     };

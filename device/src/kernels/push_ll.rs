@@ -102,7 +102,22 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
     g: u64,
     stride: u64,
 ) {
+    if N == 1 {
+        // No peer to send to.
+        return;
+    }
     let packs = a.count.div_ceil(E::LANES as u64);
+    // Two packs per iteration, both loaded before either is stored (a
+    // store between them would hold the second load back a round trip),
+    // and the first two loaded before the destinations are computed: the
+    // loads follow the table's answer at once.
+    let mut i = g;
+    if i >= packs {
+        return;
+    }
+    // SAFETY: (every load below) i, i + stride < packs = ceil(count /
+    // lanes): inside this rank's input (count elements, contract).
+    let (mut a1, mut a2) = unsafe { ld_own_two::<E, WHOLE>(own_in, i, stride, packs, a.count) };
     let part = ll::slot(epoch, N as u64, rank as u64, a.landing_part);
     let mut dst = [0u64; MAX_RANKS];
     let mut p = 0;
@@ -110,26 +125,48 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
         dst[p] = pick::<N>(&a.signals, p as u32) + a.landing_offset + part;
         p += 1;
     }
-    // Two packs per iteration, both loaded before either is stored: a store
-    // between them would hold the second load back a round trip.
-    let mut i = g;
-    while i < packs {
+    loop {
         let i2 = i + stride;
-        // SAFETY: i, i2 < packs = ceil(count / lanes): inside this rank's
-        // input (count elements, contract) and inside every peer's part,
-        // which holds `packs` LL packs (contract).
-        let a1 = unsafe { ld_own::<E, WHOLE>(own_in, i, a.count) };
-        let a2 = if i2 < packs {
-            // SAFETY: as above.
-            unsafe { ld_own::<E, WHOLE>(own_in, i2, a.count) }
-        } else {
-            [0; 4]
-        };
+        // Inside every peer's part, which holds `packs` LL packs
+        // (contract).
         send_lines::<N>(&dst, rank, i, ll::encode(a1, epoch));
         if i2 < packs {
             send_lines::<N>(&dst, rank, i2, ll::encode(a2, epoch));
         }
         i += 2 * stride;
+        if i >= packs {
+            return;
+        }
+        // SAFETY: as above.
+        (a1, a2) = unsafe { ld_own_two::<E, WHOLE>(own_in, i, stride, packs, a.count) };
+    }
+}
+
+/// Packs `i` and, when it is below `packs`, `i + stride` of this rank's
+/// input (zeros for the second otherwise), both loads issued before
+/// either is used.
+///
+/// # Safety
+/// As for [`ld_own`], for `i < packs` and `i + stride` where it is below
+/// `packs = ceil(count / lanes)`.
+#[inline(always)]
+unsafe fn ld_own_two<E: Element, const WHOLE: bool>(
+    own_in: u64,
+    i: u64,
+    stride: u64,
+    packs: u64,
+    count: u64,
+) -> (Pack, Pack) {
+    let i2 = i + stride;
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        let a1 = ld_own::<E, WHOLE>(own_in, i, count);
+        let a2 = if i2 < packs {
+            ld_own::<E, WHOLE>(own_in, i2, count)
+        } else {
+            [0; 4]
+        };
+        (a1, a2)
     }
 }
 
