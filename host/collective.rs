@@ -16,7 +16,9 @@
 //!   `reset`: its ranks are out of step and a new collective would hang or
 //!   mix epochs.
 
-use crate::abi::{error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, MAX_RANKS};
+use crate::abi::{
+    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, BUFFER_ALIGN, MAX_RANKS,
+};
 use crate::checks::{check_aligned, check_count};
 use crate::driver::{self, DeviceAlloc, HostMailbox, Kernels, PlainData as _};
 use crate::element::DeviceElement;
@@ -122,6 +124,38 @@ pub(crate) unsafe fn stage(
     unsafe { driver::copy_dtod_async(stream, staging, src + (offset * size) as u64, len * size) }
 }
 
+/// Whether a staged `step` reads each rank's input in place
+/// (`LaunchArgs::own_inputs`) instead of from a copy in the staging
+/// buffer: push_ll reads no peer's input (a peer reads only the lines
+/// this rank writes into its zone), so no copy is needed where each input
+/// at the step's offset is aligned as the kernel's pack loads need and no
+/// other rank of the launch writes its output over it (a rank's own
+/// output may: the thread that writes a pack read it first). Elsewhere
+/// the step is staged as before.
+pub(crate) fn direct_input(
+    step: &Step,
+    ranks: impl Iterator<Item = usize> + Clone,
+    inputs: &[u64; MAX_RANKS],
+    outputs: &[u64; MAX_RANKS],
+    size: usize,
+) -> bool {
+    let at = |p: u64| p + (step.offset * size) as u64;
+    let bytes = (step.len * size) as u64;
+    step.entry.algorithm == Algorithm::PushLl
+        && ranks.clone().all(|r| {
+            at(inputs[r]) % BUFFER_ALIGN as u64 == 0
+                && ranks
+                    .clone()
+                    .all(|o| o == r || disjoint(at(inputs[r]), at(outputs[o]), bytes))
+        })
+}
+
+/// Whether `len` bytes at `a` and `len` bytes at `b` (one address space)
+/// share no byte.
+pub(crate) fn disjoint(a: u64, b: u64, len: u64) -> bool {
+    a.saturating_add(len) <= b || b.saturating_add(len) <= a
+}
+
 /// One launching unit of a group (see the module docs).
 pub(crate) struct Member {
     pub(crate) kernels: Arc<Kernels>,
@@ -158,7 +192,7 @@ impl Member {
         self.kernels.context()
     }
 
-    pub(crate) fn owns(&self, world: usize) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn owns(&self, world: usize) -> impl Iterator<Item = usize> + Clone + '_ {
         (0..world).filter(move |&r| match self.ranks {
             Ranks::All => true,
             Ranks::One(o) => o == r,
@@ -303,6 +337,25 @@ impl Collective {
         let size = dtype.size();
         for step in plan.steps() {
             for (member, stream) in self.members.iter().zip(streams) {
+                if direct_input(&step, member.owns(self.world), inputs, outputs, size) {
+                    // push_ll reads no peer's input: each rank's is read in
+                    // place, with no copy into the staging buffer.
+                    // SAFETY: inputs[r] holds `count` elements (caller); the
+                    // staged table names this group's live scratch and
+                    // signals; outputs are the caller's contract.
+                    unsafe {
+                        self.launch_member(
+                            member,
+                            stream,
+                            &step,
+                            member.staged_table.ptr(),
+                            outputs,
+                            Some(inputs),
+                            0,
+                        )?
+                    };
+                    continue;
+                }
                 for r in member.owns(self.world) {
                     // SAFETY: inputs[r] holds `count` elements (caller);
                     // staging holds max_bytes >= step.len * size (plan).
@@ -326,6 +379,7 @@ impl Collective {
                         &step,
                         member.staged_table.ptr(),
                         outputs,
+                        None,
                         0,
                     )?
                 };
@@ -375,7 +429,7 @@ impl Collective {
         for step in plan.steps() {
             for ((member, stream), &table) in self.members.iter().zip(streams).zip(tables) {
                 // SAFETY: forwarded from the caller.
-                unsafe { self.launch_member(member, stream, &step, table, outputs, 0)? };
+                unsafe { self.launch_member(member, stream, &step, table, outputs, None, 0)? };
             }
         }
         Ok(plan.algorithm)
@@ -386,6 +440,7 @@ impl Collective {
     /// # Safety
     /// As for [`launch_step`]: the table names live buffers of this group
     /// holding what the step reads, and `outputs` are valid for it.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn launch_member(
         &self,
         member: &Member,
@@ -393,6 +448,7 @@ impl Collective {
         step: &Step,
         table: u64,
         outputs: &[u64; MAX_RANKS],
+        own_inputs: Option<&[u64; MAX_RANKS]>,
         absent: u32,
     ) -> Result<()> {
         let target = Target {
@@ -401,6 +457,7 @@ impl Collective {
             outputs,
             absent,
             host_error: member.mailbox.device_ptr(),
+            own_inputs,
         };
         // SAFETY: forwarded from the caller.
         unsafe {
@@ -479,6 +536,7 @@ impl Collective {
                         &step,
                         member.staged_table.ptr(),
                         &outputs,
+                        None,
                         absent,
                     )?
                 };

@@ -3,11 +3,11 @@
 //! docs/numerics.md; the CPU oracle is `reference::add_rmsnorm_bits`.
 
 use crate::abi::{
-    norm_reg_path, norm_reg_slots, Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS, NORM_CHUNK,
-    NORM_MAX_HIDDEN,
+    norm_reg_path, norm_reg_slots, Algorithm, Dtype, LaunchArgs, NormArgs, BUFFER_ALIGN, MAX_RANKS,
+    NORM_CHUNK, NORM_MAX_HIDDEN,
 };
 use crate::checks::{check_aligned, check_count};
-use crate::collective::{stage, Collective};
+use crate::collective::{disjoint, stage, Collective};
 use crate::error::{Error, Result};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Inputs, Link};
@@ -404,7 +404,22 @@ impl Collective {
         for (first, n) in plan.steps() {
             let off = (first * hidden) as u64 * size;
             for (m, (member, stream)) in self.members.iter().zip(streams).enumerate() {
+                // push_ll reads no peer's input: staged, each rank's rows are
+                // read in place (no copy) unless an output of the call
+                // overlaps them (a normed row written over x while another
+                // block still sends its packs), or they are not aligned.
+                let bytes = (rows * hidden) as u64 * size;
+                let direct = matches!(inputs, NormInputs::Staged)
+                    && plan.algorithm == Algorithm::PushLl
+                    && member.owns(self.world).all(|r| {
+                        (p.inputs[r] + off) % BUFFER_ALIGN as u64 == 0
+                            && member.owns(self.world).all(|o| {
+                                disjoint(p.inputs[r], p.normed[o], bytes)
+                                    && disjoint(p.inputs[r], p.residual_out[o], bytes)
+                            })
+                    });
                 let table = match inputs {
+                    NormInputs::Staged if direct => member.staged_table.ptr(),
                     NormInputs::Staged => {
                         for r in member.owns(self.world) {
                             // SAFETY: inputs[r] holds rows * hidden elements
@@ -465,6 +480,9 @@ impl Collective {
                     ..Default::default()
                 };
                 for r in member.owns(self.world) {
+                    if direct {
+                        args.base.own_inputs[r] = p.inputs[r] + off;
+                    }
                     args.base.outputs[r] = p.normed[r] + off;
                     args.residual[r] = p.residual[r] + off;
                     args.residual_out[r] = p.residual_out[r] + off;

@@ -29,6 +29,9 @@ pub(crate) struct Target<'a> {
     pub absent: u32,
     /// Device address of the launching member's host error mailbox.
     pub host_error: u64,
+    /// The ranks' own inputs at the start of the message, read in place
+    /// (`LaunchArgs::own_inputs`, push_ll only), or `None`: the table's.
+    pub own_inputs: Option<&'a [u64; MAX_RANKS]>,
 }
 
 /// Launches `step` on `stream` for `ranks` of a `world`-rank group.
@@ -84,6 +87,9 @@ pub(crate) unsafe fn launch_step(
     for r in 0..world {
         if ranks == Ranks::All || ranks == Ranks::One(r) {
             args.outputs[r] = target.outputs[r] + step.offset as u64 * size;
+            if let Some(own) = target.own_inputs {
+                args.own_inputs[r] = own[r] + step.offset as u64 * size;
+            }
         }
     }
     // SAFETY: forwarded from the caller; the entry and grid come from the plan.

@@ -8,8 +8,8 @@
 //! let module = ptx::module_for((9, 0)).expect("built for sm_90");
 //! let entry = Entry { op: ptx::Op::Allreduce, algorithm: Algorithm::OneStage, dtype: Dtype::Bf16, world: 4, virtual_ranks: false };
 //! assert!(module.ptx.contains(&format!(".entry {}", entry.name())));
-//! // Launch `entry.name()` from `module.ptx` with one `LaunchArgs` (184 bytes) by value.
-//! assert_eq!(ptx::PARAM_BYTES, 184);
+//! // Launch `entry.name()` from `module.ptx` with one `LaunchArgs` (248 bytes) by value.
+//! assert_eq!(ptx::PARAM_BYTES, 248);
 //! ```
 
 use crate::abi::{Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS};

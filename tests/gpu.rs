@@ -42,6 +42,7 @@ fn main() {
         ("peer_group_real_rank_entries_every_gpu", peer_group),
         ("peer_group_graph_replays", peer_group_graphs),
         ("push_back_to_back_with_changing_grids", push_changing_grids),
+        ("push_ll_reads_inputs_in_place", push_ll_direct_inputs),
         ("thresholds_file_moves_auto", thresholds_file),
         ("fused_add_rmsnorm_bit_exact", fused_add_rmsnorm),
         ("fused_registered_zero_copy", fused_registered),
@@ -1344,6 +1345,193 @@ fn push_changing_grids(g: &Gpu) {
     println!(
         "  PeerGroup on GPUs {place:?}: 24 push and push_ll calls back to back, 1-block and chunked many-block grids interleaved, bit-exact"
     );
+}
+
+/// Number of nodes of a captured graph.
+fn graph_nodes(graph: &cudarc::driver::CudaGraph) -> usize {
+    let mut n = 0usize;
+    // SAFETY: a live graph; a null node array asks for the count only.
+    let r = unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut n) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuGraphGetNodes");
+    n
+}
+
+/// Staged push_ll reads each rank's input where it is (`own_inputs`, no
+/// copy into the staging buffer) when the input is aligned and no other
+/// rank's output overlaps it; otherwise the step is staged. Every variant
+/// bit-exact on every rank: distinct buffers and in place (read in place),
+/// a misaligned input and rank 1's output over rank 0's input (staged);
+/// the fused call likewise (distinct: in place; normed over x, or over
+/// another rank's x: staged). A captured graph shows which way each went:
+/// the in-place calls have fewer nodes (no copy) than the staged ones.
+fn push_ll_direct_inputs(g: &Gpu) {
+    for (dtype, world, len) in [
+        (Dtype::Bf16, 2, 7168),
+        (Dtype::Bf16, 3, 5003),
+        (Dtype::F32, 2, 4099),
+        (Dtype::F16, 2, 1),
+    ] {
+        match dtype {
+            Dtype::F32 => push_ll_direct_case::<f32>(g, dtype, world, len),
+            Dtype::F16 => push_ll_direct_case::<half::f16>(g, dtype, world, len),
+            Dtype::Bf16 => push_ll_direct_case::<half::bf16>(g, dtype, world, len),
+        }
+    }
+    push_ll_direct_fused::<half::bf16>(g);
+}
+
+fn push_ll_direct_case<T: Bits>(g: &Gpu, dtype: Dtype, world: usize, len: usize) {
+    let grp = group(g, world);
+    let inputs = values::adversarial_inputs(dtype, world, len, 0x5eed + len as u64, true);
+    let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let want = reference::allreduce_bits(dtype, &refs);
+    let size = dtype.size() as u64;
+    // Each variant: (name, element offset of the inputs in their buffers,
+    // outputs in place, rank 1's output over rank 0's input, expect a copy).
+    for (name, shift, in_place, cross, copies) in [
+        ("distinct", 0usize, false, false, false),
+        ("in place", 0, true, false, false),
+        ("misaligned input", 1, false, false, true),
+        ("rank 1's output over rank 0's input", 0, false, true, true),
+    ] {
+        let what = format!("{dtype:?} world {world} len {len} push_ll {name}");
+        // Inputs at element `shift` of buffers with room for it.
+        let mut bufs: Vec<CudaSlice<T>> = inputs
+            .iter()
+            .map(|b| {
+                let mut v = vec![poison::<T>(); shift];
+                v.extend(b.iter().map(|&x| T::from_bits32(x)));
+                g.stream.clone_htod(&v).expect("upload")
+            })
+            .collect();
+        let mut outs: Vec<CudaSlice<T>> = (0..world).map(|_| poisoned::<T>(g, len)).collect();
+        let inp: Vec<u64> = bufs
+            .iter()
+            .map(|b| b.device_ptr(&g.stream).0 + shift as u64 * size)
+            .collect();
+        let mut out: Vec<u64> = outs
+            .iter_mut()
+            .map(|o| o.device_ptr_mut(&g.stream).0)
+            .collect();
+        if in_place {
+            out.copy_from_slice(&inp);
+        }
+        if cross {
+            out[1] = inp[0];
+        }
+        let call = || {
+            // SAFETY: every input holds `len` elements after its shift and
+            // every output `len` (the buffers above, alive until checked).
+            unsafe { grp.allreduce_raw(&g.stream, dtype, len, &inp, &out, AlgoChoice::PushLl) }
+        };
+        let graph = capture(g, call);
+        let nodes = graph_nodes(&graph);
+        // Fresh inputs (an in-place or crossed run overwrote some), then
+        // the graph once.
+        for (b, bits) in bufs.iter_mut().zip(&inputs) {
+            let mut v = vec![poison::<T>(); shift];
+            v.extend(bits.iter().map(|&x| T::from_bits32(x)));
+            g.stream.memcpy_htod(&v, b).expect("refill");
+        }
+        graph.launch().expect("graph launch");
+        grp.check(&g.stream)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        for r in 0..world {
+            let got = if in_place || (cross && r == 1) {
+                let all = download::<T>(g, &bufs[if cross { 0 } else { r }], shift + len);
+                all[shift..].to_vec()
+            } else {
+                download::<T>(g, &outs[r], len)
+            };
+            if let Some((i, got_b, want_b)) = reference::first_mismatch(dtype, &got, &want) {
+                panic!("{what}: rank {r} element {i}: got {got_b:#x}, want {want_b:#x}");
+            }
+        }
+        println!("  {what}: bit-exact, graph of {nodes} nodes");
+        if copies {
+            assert!(nodes > 1, "{what}: staged, but the graph has no copy node");
+        } else {
+            assert_eq!(
+                nodes, 1,
+                "{what}: read in place, but the graph has a copy node"
+            );
+        }
+    }
+}
+
+fn push_ll_direct_fused<T: Bits>(g: &Gpu) {
+    let c = NormCase {
+        dtype: T::DTYPE,
+        world: 2,
+        rows: 3,
+        hidden: 7168,
+        seed: 77,
+    };
+    let grp = group(g, c.world);
+    let count = c.rows * c.hidden;
+    let (x, res, gam, want) = c.data();
+    // (name, normed over x, expect a copy). (Another rank's x as a normed
+    // output is only reachable through raw pointers, which VirtualGroup's
+    // fused calls do not take; the host checks it all the same.)
+    for (name, over_x, copies) in [("distinct", false, false), ("normed over x", true, true)] {
+        let what = format!("fused push_ll {name}");
+        let mut xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
+        let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
+        let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
+        let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+        let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
+        let gr: Vec<&_> = gv.iter().collect();
+        let graph = {
+            let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+            if over_x {
+                let mut xv: Vec<_> = xs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+                capture(g, || {
+                    grp.allreduce_add_rmsnorm_in_place(
+                        &g.stream,
+                        &mut xv,
+                        &mut rv,
+                        &gr,
+                        NORM_EPS,
+                        AlgoChoice::PushLl,
+                    )
+                })
+            } else {
+                let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
+                let xr: Vec<&_> = xv.iter().collect();
+                let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+                capture(g, || {
+                    grp.allreduce_add_rmsnorm(
+                        &g.stream,
+                        &xr,
+                        &mut rv,
+                        &gr,
+                        NORM_EPS,
+                        &mut ov,
+                        AlgoChoice::PushLl,
+                    )
+                })
+            }
+        };
+        let nodes = graph_nodes(&graph);
+        graph.launch().expect("graph launch");
+        grp.check(&g.stream)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        for r in 0..c.world {
+            let got_res = download(g, &rs[r], count);
+            let normed_at = if over_x { &xs[r] } else { &outs[r] };
+            let got_norm = download(g, normed_at, count);
+            check_norm_rank(&what, c.dtype, r, (&got_res, &got_norm), &want[r]);
+        }
+        println!("  {what}: bit-exact, graph of {nodes} nodes");
+        if copies {
+            assert!(nodes > 1, "{what}: staged, but the graph has no copy node");
+        } else {
+            assert_eq!(
+                nodes, 1,
+                "{what}: read in place, but the graph has a copy node"
+            );
+        }
+    }
 }
 
 /// Starts this test binary as rank `rank` of an IPC group in `mode`.

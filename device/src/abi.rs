@@ -242,6 +242,12 @@ pub struct LaunchArgs {
     /// signal allocation to the landing zone of this algorithm (the zones
     /// are distinct, see [`crate::ll`]).
     pub landing_offset: u64,
+    /// Each rank's own input for this launch, read where it is instead of
+    /// the table's entry, or 0 (the table's). Only kernels that read no
+    /// peer's input take it (the host sets it for push_ll): a staged call
+    /// then needs no copy into the staging buffer, and the kernel's first
+    /// input load needs no table load before it.
+    pub own_inputs: [u64; MAX_RANKS],
 }
 
 // Layout checks: the host writes these bytes and the PTX reads them.
@@ -257,7 +263,7 @@ const _: () = {
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
     assert!(size_of::<RankTable>() == 192);
-    assert!(size_of::<LaunchArgs>() == 184);
+    assert!(size_of::<LaunchArgs>() == 248);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);
     assert!(offset_of!(LaunchArgs, count) == 136);
@@ -267,6 +273,7 @@ const _: () = {
     assert!(offset_of!(LaunchArgs, host_error) == 160);
     assert!(offset_of!(LaunchArgs, landing_part) == 168);
     assert!(offset_of!(LaunchArgs, landing_offset) == 176);
+    assert!(offset_of!(LaunchArgs, own_inputs) == 184);
     // A push_two_stage part round-trips through `landing_part`.
     let l = PushTwoStagePart::for_capacity(1000, 3);
     assert!(PushTwoStagePart::from_part_bytes(l.bytes()).half == l.half);
@@ -330,10 +337,10 @@ pub struct NormArgs {
 
 const _: () = {
     use core::mem::{offset_of, size_of};
-    assert!(size_of::<NormArgs>() == 400);
-    assert!(offset_of!(NormArgs, residual) == 184);
-    assert!(offset_of!(NormArgs, rows) == 376);
-    assert!(offset_of!(NormArgs, eps) == 392);
+    assert!(size_of::<NormArgs>() == 464);
+    assert!(offset_of!(NormArgs, residual) == 248);
+    assert!(offset_of!(NormArgs, rows) == 440);
+    assert!(offset_of!(NormArgs, eps) == 456);
     assert!(NORM_MAX_CHUNKS * 4 == 16384);
 };
 

@@ -7,7 +7,9 @@
 //! Launch contract (checked by the host, and by the kernel where a wrong
 //! value would corrupt memory): `gridDim.x <= MAX_BLOCKS` blocks per rank,
 //! `blockDim.x >= N`, the same grid on every rank of a collective, and for
-//! `_virtual` entries `gridDim.y == N` with all blocks co-resident.
+//! `_virtual` entries `gridDim.y == N` with all blocks co-resident. A push
+//! kernel reads its own input at `own_inputs[rank]` where that is not 0
+//! (the host sets it for push_ll only), else at the table's entry.
 //!
 //! Files: this one holds what every algorithm shares (flags, the barrier,
 //! error records, element and pack loops); `pull.rs` the one-stage and
@@ -602,14 +604,16 @@ unsafe fn push_start<const N: usize>(
 }
 
 /// [`push_start`] in two steps: the two loads every push kernel starts
-/// with (its own input from the pointer table and its block's epoch) are
+/// with (its own input from the pointer table, unless the launch gives it
+/// in `LaunchArgs::own_inputs`, and its block's epoch) are
 /// issued by [`PushBegun::issue`] and looked at by [`PushBegun::check`],
 /// so a kernel can put independent work (the fused kernel's residual and
 /// gamma loads) between them, while the loads, the head of its longest
 /// chain of round trips (table, own input, the sends), are in flight.
 struct PushBegun {
     own_sig: u64,
-    /// The table's entry for this rank's input (null: unregistered).
+    /// This rank's input: the launch's `own_inputs` entry, else the
+    /// table's (null: unregistered).
     own_in: u64,
     /// The block's last committed epoch (read at block 0 when `bad`).
     prev: u32,
@@ -638,10 +642,17 @@ impl PushBegun {
         let nthreads = block_dim_x();
         let own_sig = pick::<N>(&a.signals, rank);
         let bad = nblocks as usize > MAX_BLOCKS || (barriers && (nthreads as usize) < N);
-        // SAFETY: `a.table` points to a RankTable the host filled
-        // (contract). A plain load (a volatile one goes past L1 at system
-        // scope, and measured slower); the compiler keeps it here.
-        let own_in = unsafe { (*(a.table as *const RankTable)).inputs[rank as usize] };
+        // This launch's own input where the host gave it (no table load
+        // before the first input load), else the table's entry.
+        let direct = pick::<N>(&a.own_inputs, rank);
+        let own_in = if direct != 0 {
+            direct
+        } else {
+            // SAFETY: `a.table` points to a RankTable the host filled
+            // (contract). A plain load (a volatile one goes past L1 at
+            // system scope, and measured slower).
+            unsafe { (*(a.table as *const RankTable)).inputs[rank as usize] }
+        };
         // SAFETY: own signal; the block index is below MAX_BLOCKS (block 0
         // when the launch is bad, whose value is never used).
         let prev = unsafe { read_epoch(own_sig, if bad { 0 } else { block }) };

@@ -101,7 +101,7 @@ pub(super) fn run_fused(args: &BenchArgs, hidden: usize) -> ExitCode {
         args.per_graph
     );
     println!(
-        "# unfused = our allreduce (Auto) + our add + RMSNorm kernel per rank; allreduce = the plain allreduce (Auto) of the same bytes; zc = zero-copy (registered input, no staging copy), Auto"
+        "# unfused = our allreduce (Auto) + our add + RMSNorm kernel per rank; allreduce = the plain allreduce (Auto) of the same bytes, allreduce push_ll the same with push_ll; zc = zero-copy (registered input, no staging copy), Auto"
     );
     println!(
         "{:>6} {:>10} {:>6} {:>18} {:>10}",
@@ -202,6 +202,7 @@ fn measure_world(
             "fused auto",
             "unfused",
             "allreduce",
+            "allreduce push_ll",
             "fused zc",
             "allreduce zc",
         ] {
@@ -280,9 +281,16 @@ fn measure_world(
                     return Ok(());
                 }
                 let mut ts: Vec<_> = tmp.iter_mut().map(|v| v.slice_mut(0..count)).collect();
+                // The plain allreduce: Auto's choice, or push_ll (the fused
+                // push_ll's own algorithm, staged the same way).
+                let plain = if what == "allreduce push_ll" {
+                    AlgoChoice::PushLl
+                } else {
+                    AlgoChoice::Auto
+                };
                 match (&peer, &virt) {
-                    (Some(p), _) => p.allreduce(&streams, &xr, &mut ts, AlgoChoice::Auto)?,
-                    (_, Some(v)) => v.allreduce(&streams[0], &xr, &mut ts, AlgoChoice::Auto)?,
+                    (Some(p), _) => p.allreduce(&streams, &xr, &mut ts, plain)?,
+                    (_, Some(v)) => v.allreduce(&streams[0], &xr, &mut ts, plain)?,
                     _ => unreachable!("one group kind is set"),
                 };
                 drop(ts);
