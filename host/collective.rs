@@ -337,41 +337,29 @@ impl Collective {
         let size = dtype.size();
         for step in plan.steps() {
             for (member, stream) in self.members.iter().zip(streams) {
-                if direct_input(&step, member.owns(self.world), inputs, outputs, size) {
-                    // push_ll reads no peer's input: each rank's is read in
-                    // place, with no copy into the staging buffer.
-                    // SAFETY: inputs[r] holds `count` elements (caller); the
-                    // staged table names this group's live scratch and
-                    // signals; outputs are the caller's contract.
-                    unsafe {
-                        self.launch_member(
-                            member,
-                            stream,
-                            &step,
-                            member.staged_table.ptr(),
-                            outputs,
-                            Some(inputs),
-                            0,
-                        )?
-                    };
-                    continue;
-                }
-                for r in member.owns(self.world) {
-                    // SAFETY: inputs[r] holds `count` elements (caller);
-                    // staging holds max_bytes >= step.len * size (plan).
-                    unsafe {
-                        stage(
-                            member.staging[r],
-                            inputs[r],
-                            step.offset,
-                            step.len,
-                            size,
-                            stream,
-                        )?
-                    };
+                // push_ll reads no peer's input: where it can, each rank's
+                // is read in place, with no copy into the staging buffer.
+                let direct = direct_input(&step, member.owns(self.world), inputs, outputs, size);
+                if !direct {
+                    for r in member.owns(self.world) {
+                        // SAFETY: inputs[r] holds `count` elements (caller);
+                        // staging holds max_bytes >= step.len * size (plan).
+                        unsafe {
+                            stage(
+                                member.staging[r],
+                                inputs[r],
+                                step.offset,
+                                step.len,
+                                size,
+                                stream,
+                            )?
+                        };
+                    }
                 }
                 // SAFETY: the staged table names this group's live staging
-                // and scratch buffers; outputs are the caller's contract.
+                // and scratch buffers and signals; the inputs read in place
+                // hold `count` elements (caller); outputs are the caller's
+                // contract.
                 unsafe {
                     self.launch_member(
                         member,
@@ -379,7 +367,7 @@ impl Collective {
                         &step,
                         member.staged_table.ptr(),
                         outputs,
-                        None,
+                        direct.then_some(inputs),
                         0,
                     )?
                 };
