@@ -556,15 +556,20 @@ impl Collective {
     }
 
     /// Brings this process's ranks back to a clean state: waits for their
-    /// devices, zeroes their signals (epochs and error records). Every rank
+    /// devices, zeroes their signals (epochs and error records) and landing
+    /// zones. Every rank
     /// of the group must reset before the next collective.
     pub(crate) fn reset(&self) -> Result<()> {
         for m in &self.members {
             m.context().synchronize().during("cuCtxSynchronize")?;
             *m.last.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
+        // The signal and the landing zones behind it: a line or slot a
+        // failed push collective left there carries an epoch that the
+        // epochs counted again from zero reach, and would pass for a peer's
+        // data of a later collective.
         for (_, b) in &self.own {
-            b.signal.write(&[Signal::zeroed()])?;
+            b.signal.clear()?;
         }
         for m in &self.members {
             m.mailbox.clear();

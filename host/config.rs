@@ -3,7 +3,8 @@
 //! [`crate::thresholds`].
 
 use crate::abi::{
-    island_split, Algorithm, PushTwoStagePart, Signal, MAX_BLOCKS, MAX_RANKS, PACK_BYTES,
+    island_split, Algorithm, PushTwoStagePart, Signal, MAX_BLOCKS, MAX_RANKS, NORM_MAX_CTAS,
+    PACK_BYTES,
 };
 use crate::ll::LL_PACK_BYTES;
 pub use crate::thresholds::Thresholds;
@@ -136,6 +137,15 @@ pub struct Config {
     /// `None` (the default) never hands over: NCCL's results are not
     /// bit-identical to the determinism contract.
     pub nccl_above: Option<usize>,
+    /// CTAs over which the fused push_ll ([`crate::NormPlan`]) splits each
+    /// row: a thread-block cluster of 1, 2, 4 or 8 (at most
+    /// [`NORM_MAX_CTAS`]) CTAs, each taking an aligned range of the row's
+    /// chunks, so a row's bytes go through as many SMs. Same bits for every
+    /// value (docs/numerics.md). Clusters need sm_90 or newer: on older
+    /// devices rows are never split. `None` (the default): chosen from the
+    /// row and the rows ([`crate::fused::split_ctas`]); `Some(1)`: one block
+    /// per row.
+    pub fused_ctas: Option<u32>,
 }
 
 impl Default for Config {
@@ -150,6 +160,7 @@ impl Default for Config {
             push_ll_max_bytes: 128 << 10,
             push_two_stage_max_bytes: 4 << 20,
             nccl_above: None,
+            fused_ctas: None,
             thresholds: Thresholds::default(),
         }
     }
@@ -283,6 +294,13 @@ impl Config {
             if b == 0 || b as usize > MAX_BLOCKS {
                 return Err(format!(
                     "max_blocks = Some({b}): use 1..={MAX_BLOCKS}, or None to choose by link"
+                ));
+            }
+        }
+        if let Some(c) = self.fused_ctas {
+            if !c.is_power_of_two() || c as usize > NORM_MAX_CTAS {
+                return Err(format!(
+                    "fused_ctas = Some({c}): use 1, 2, 4 or 8, or None to choose by the row"
                 ));
             }
         }

@@ -177,6 +177,15 @@ impl DeviceAlloc {
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+    /// Zeroes the whole allocation, finished before it returns (the memset
+    /// runs on the null stream; the context is synchronized after it, so
+    /// no later work on any stream can see the old bytes).
+    pub fn clear(&self) -> Result<()> {
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: the allocation holds at least `bytes.max(256)` bytes.
+        unsafe { result::memset_d8_sync(self.ptr, 0, self.bytes.max(256)) }.during("cuMemsetD8")?;
+        self.ctx.synchronize().during("cuCtxSynchronize")
+    }
     /// Copies `src` into the start of the allocation (synchronous).
     pub fn write<T: PlainData>(&self, src: &[T]) -> Result<()> {
         assert!(

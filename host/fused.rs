@@ -3,11 +3,11 @@
 //! docs/numerics.md; the CPU oracle is `reference::add_rmsnorm_bits`.
 
 use crate::abi::{
-    norm_reg_path, norm_reg_slots, Algorithm, Dtype, LaunchArgs, NormArgs, BUFFER_ALIGN, MAX_RANKS,
-    NORM_CHUNK, NORM_MAX_HIDDEN,
+    norm_reg_path, norm_reg_slots, norm_split_range, Algorithm, Dtype, LaunchArgs, NormArgs,
+    BUFFER_ALIGN, MAX_RANKS, NORM_CHUNK, NORM_MAX_CTAS, NORM_MAX_HIDDEN,
 };
 use crate::checks::{check_aligned, check_count};
-use crate::collective::{disjoint, stage, Collective};
+use crate::collective::{disjoint, stage, Collective, Member};
 use crate::error::{Error, Result};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Inputs, Link};
@@ -35,8 +35,13 @@ pub struct NormPlan {
     pub hidden: usize,
     /// Rows per launch (all of them if they fit the staging buffers).
     pub rows_per_step: usize,
-    /// Blocks per rank (each block takes whole rows).
+    /// Blocks per rank: `ctas` per row at a time (each block, or each
+    /// cluster of `ctas` blocks, takes whole rows).
     pub blocks: u32,
+    /// CTAs of the thread-block cluster that splits each row (fused
+    /// push_ll on sm_90 and newer, [`split_ctas`]); 1: a block per row, no
+    /// cluster.
+    pub ctas: u32,
     /// Threads per block: on the register path
     /// ([`crate::abi::norm_reg_path`]) just enough warps for the row's
     /// chunks (fewer warps issue fewer instructions), else
@@ -57,7 +62,10 @@ impl NormPlan {
     /// (`NormPushLlShape`: the fused push_ll kernel has no other path).
     /// `Auto` runs push_ll where the allreduce of the same bytes would, the
     /// rows fit its zone and take the register path, else one-stage or
-    /// two-stage as the allreduce would.
+    /// two-stage as the allreduce would. `max_ctas`: the most CTAs over
+    /// which push_ll may split a row ([`split_ctas`]): [`NORM_MAX_CTAS`]
+    /// where every device of the group runs thread-block clusters (sm_90
+    /// and newer), 1 where not (or where fewer must do: co-residency).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
@@ -68,6 +76,7 @@ impl NormPlan {
         link: Link,
         choice: AlgoChoice,
         inputs: Inputs,
+        max_ctas: u32,
     ) -> Result<NormPlan> {
         if hidden == 0 && rows > 0 {
             return Err(Error::NormShape(format!(
@@ -109,15 +118,7 @@ impl NormPlan {
                 ))
             }
         };
-        // Register path: a warp per 32 threads the chunks need, at most the
-        // configured block (a multiple of 32, checked by Config).
-        let threads = if reg_path {
-            let need = hidden.div_ceil(per_thread);
-            (need.div_ceil(32) * 32).clamp(32, max_threads as usize) as u32
-        } else {
-            max_threads
-        };
-        if inputs == Inputs::ZeroCopy {
+        let rows_per_step = if inputs == Inputs::ZeroCopy {
             // One launch; only two-stage needs room (scratch) for the sums.
             if algorithm == Algorithm::TwoStage && total > config.max_bytes {
                 return Err(Error::ScratchTooSmall {
@@ -132,42 +133,60 @@ impl NormPlan {
                     capacity: ll_zone,
                 });
             }
-            let rows_per_step = rows.max(1);
-            return Ok(NormPlan {
-                algorithm,
-                rows,
-                hidden,
-                rows_per_step,
-                blocks: (rows_per_step.min(u32::MAX as usize) as u32)
-                    .clamp(1, config.blocks_cap(link)),
-                threads,
-            });
-        }
-        // Staging holds the inputs and, two-stage, scratch the sums;
-        // push_ll's landing zone holds its steps too.
-        let capacity = if algorithm == Algorithm::PushLl {
-            config.max_bytes.min(ll_zone)
+            rows.max(1)
         } else {
-            config.max_bytes
+            // Staging holds the inputs and, two-stage, scratch the sums;
+            // push_ll's landing zone holds its steps too.
+            let capacity = if algorithm == Algorithm::PushLl {
+                config.max_bytes.min(ll_zone)
+            } else {
+                config.max_bytes
+            };
+            let rows_per_step = capacity / row_bytes;
+            if rows_per_step == 0 || (rows > rows_per_step && !config.chunking) {
+                return Err(Error::MessageTooLarge {
+                    bytes: if rows_per_step == 0 { row_bytes } else { total },
+                    capacity,
+                });
+            }
+            rows_per_step.min(rows.max(1))
         };
-        let rows_per_step = capacity / row_bytes;
-        if rows_per_step == 0 || (rows > rows_per_step && !config.chunking) {
-            return Err(Error::MessageTooLarge {
-                bytes: if rows_per_step == 0 { row_bytes } else { total },
-                capacity,
-            });
-        }
-        let rows_per_step = rows_per_step.min(rows.max(1));
-        // A block per row up to the cap: both algorithms normalise every
-        // row on every rank (two-stage reduces only a partition first).
-        let blocks =
-            (rows_per_step.min(u32::MAX as usize) as u32).clamp(1, config.blocks_cap(link));
+        // A block (push_ll with clusters: a cluster of `ctas` blocks) per
+        // row up to the cap: every algorithm normalises every row on every
+        // rank (two-stage reduces only a partition first).
+        let cap = config.blocks_cap(link);
+        let ctas = if algorithm == Algorithm::PushLl {
+            split_ctas(
+                config.fused_ctas,
+                hidden / NORM_CHUNK,
+                norm_reg_slots(dtype.lanes()),
+                rows_per_step,
+                world,
+                cap,
+                max_ctas,
+            )
+        } else {
+            1
+        };
+        let row_blocks = (rows_per_step.min(u32::MAX as usize) as u32).clamp(1, cap / ctas);
+        // Register path: a warp per 32 threads the chunks of a CTA's range
+        // need, at most the configured block (a multiple of 32, checked by
+        // Config).
+        let threads = if reg_path {
+            let chunks = (hidden / NORM_CHUNK) as u32;
+            let local = norm_split_range(chunks, ctas).min(chunks) as usize;
+            let need = (local * NORM_CHUNK).div_ceil(per_thread);
+            (need.div_ceil(32) * 32).clamp(32, max_threads as usize) as u32
+        } else {
+            max_threads
+        };
         Ok(NormPlan {
             algorithm,
             rows,
             hidden,
             rows_per_step,
-            blocks,
+            blocks: row_blocks * ctas,
+            ctas,
             threads,
         })
     }
@@ -184,6 +203,56 @@ impl NormPlan {
             )
         })
     }
+}
+
+/// Least chunks per CTA that [`split_ctas`] gives a row under `Auto` (a
+/// warp's worth): smaller ranges add a CTA for almost no work.
+pub const AUTO_MIN_CTA_CHUNKS: usize = 32;
+
+/// Threads of a whole-row block at and below which `Auto` keeps the rows
+/// of a world of 2 whole: there the split cost more than it saved
+/// (docs/benchmarks.md).
+pub const AUTO_WHOLE_ROW_THREADS_W2: usize = 256;
+
+/// CTAs of the cluster that splits each fused push_ll row of `chunks`
+/// chunks (`slots` per thread on the register path), for `rows` rows per
+/// launch, a world of `world`, at most `cap` blocks per rank and at most
+/// `max_ctas` (a power of two; 1: no clusters). `fused_ctas` when given (a
+/// power of two; no more than `cap` and `max_ctas` allow). Else, from the
+/// fused bench on one H200 (virtual ranks, docs/benchmarks.md): 8 or 4
+/// CTAs, the most that keep every row's cluster within `cap` blocks and at
+/// least [`AUTO_MIN_CTA_CHUNKS`] chunks per CTA; none for one rank, for two
+/// ranks with rows that one block of at most
+/// [`AUTO_WHOLE_ROW_THREADS_W2`] threads holds, and for 2 CTAs (which lost
+/// to whole rows in most shapes).
+pub fn split_ctas(
+    fused_ctas: Option<u32>,
+    chunks: usize,
+    slots: usize,
+    rows: usize,
+    world: usize,
+    cap: u32,
+    max_ctas: u32,
+) -> u32 {
+    // The largest power of two at most `n` (n >= 1).
+    let floor_pow2 = |n: u32| 1u32 << (31 - n.max(1).leading_zeros());
+    let most = floor_pow2(cap.min(max_ctas).min(NORM_MAX_CTAS as u32));
+    if let Some(k) = fused_ctas {
+        return floor_pow2(k).min(most);
+    }
+    let whole_threads = chunks.div_ceil(slots.max(1));
+    if world <= 1 || (world == 2 && whole_threads <= AUTO_WHOLE_ROW_THREADS_W2) {
+        return 1;
+    }
+    for k in [8u32, 4] {
+        if k <= most
+            && rows.max(1) * k as usize <= cap as usize
+            && norm_split_range(chunks as u32, k) as usize >= AUTO_MIN_CTA_CHUNKS
+        {
+            return k;
+        }
+    }
+    1
 }
 
 /// The shape of a fused call, `(rows, hidden)`, from every rank's buffer
@@ -359,6 +428,76 @@ impl Collective {
         inputs: NormInputs<'_>,
         choice: AlgoChoice,
     ) -> Result<Algorithm> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.add_rmsnorm_absent(streams, dtype, rows, hidden, eps, p, inputs, choice, 0) }
+    }
+
+    /// Fault injection: a fused call of `rows x hidden` elements of `dtype`
+    /// with `choice` over this group's own buffers (the staging buffers as
+    /// inputs and gamma, the scratch as residual and both outputs), in
+    /// which the ranks in `absent` (a bit mask) leave at once, as dead
+    /// peers would. The present ranks record a peer timeout, which
+    /// [`Collective::check`] reports; the values are meaningless.
+    pub(crate) fn add_rmsnorm_with_absent_ranks(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        absent: u32,
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        choice: AlgoChoice,
+    ) -> Result<Algorithm> {
+        let bytes = rows * hidden.max(1) * dtype.size();
+        if bytes > self.config.max_bytes {
+            return Err(Error::MessageTooLarge {
+                bytes,
+                capacity: self.config.max_bytes,
+            });
+        }
+        let mut p = NormPtrs::default();
+        for (r, b) in &self.own {
+            p.inputs[*r] = b.staging.ptr();
+            p.gamma[*r] = b.staging.ptr();
+            p.residual[*r] = b.scratch.ptr();
+            p.residual_out[*r] = b.scratch.ptr();
+            p.normed[*r] = b.scratch.ptr();
+        }
+        // SAFETY: staging and scratch hold max_bytes >= rows * hidden
+        // elements (checked) on each rank's device, and live as long as
+        // the group (whose drop waits for the devices).
+        unsafe {
+            self.add_rmsnorm_absent(
+                streams,
+                dtype,
+                rows,
+                hidden,
+                1e-6,
+                &p,
+                NormInputs::Staged,
+                choice,
+                absent,
+            )
+        }
+    }
+
+    /// [`Collective::add_rmsnorm`], with the ranks in `absent` leaving at
+    /// once (fault injection; 0 normally).
+    ///
+    /// # Safety
+    /// As for [`Collective::add_rmsnorm`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn add_rmsnorm_absent(
+        &self,
+        streams: &[&Arc<CudaStream>],
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        p: &NormPtrs,
+        inputs: NormInputs<'_>,
+        choice: AlgoChoice,
+        absent: u32,
+    ) -> Result<Algorithm> {
         // The typed front ends check it in `norm_shape`; raw calls here.
         if !eps.is_finite() || eps < 0.0 {
             return Err(Error::NormShape(format!(
@@ -372,16 +511,36 @@ impl Collective {
                 Inputs::ZeroCopy
             }
         };
-        let plan = NormPlan::new(
-            &self.config,
-            dtype,
-            rows,
-            hidden,
-            self.world,
-            self.link,
-            choice,
-            kind,
-        )?;
+        // Clusters where every member's kernels are built for sm_90 or
+        // newer (the module loaded for its device).
+        let clusters = self
+            .members
+            .iter()
+            .all(|m| m.kernels.ptx.compute_capability.0 >= 9);
+        let mut max_ctas = if clusters { NORM_MAX_CTAS as u32 } else { 1 };
+        let plan = loop {
+            let plan = NormPlan::new(
+                &self.config,
+                dtype,
+                rows,
+                hidden,
+                self.world,
+                self.link,
+                choice,
+                kind,
+                max_ctas,
+            )?;
+            // Auto's split must leave every cluster resident at once: else
+            // fewer CTAs per row (an explicit `fused_ctas` is refused
+            // below instead, with `NotCoResident`).
+            if plan.ctas == 1
+                || self.config.fused_ctas.is_some()
+                || self.clusters_fit(&plan, dtype)?
+            {
+                break plan;
+            }
+            max_ctas = plan.ctas / 2;
+        };
         for member in &self.members {
             for r in member.owns(self.world) {
                 for (what, ptr) in [
@@ -396,11 +555,6 @@ impl Collective {
         }
         self.begin(streams)?;
         let size = dtype.size() as u64;
-        // Co-residency is asked at the configured block size (cached when
-        // the group was made; no driver call here, as a call inside a
-        // graph capture must not make one): a launch of at most as many
-        // threads per block fits wherever that one does.
-        let threads = self.config.threads_per_block;
         for (first, n) in plan.steps() {
             let off = (first * hidden) as u64 * size;
             for (m, (member, stream)) in self.members.iter().zip(streams).enumerate() {
@@ -452,11 +606,11 @@ impl Collective {
                     world: self.world,
                     virtual_ranks: member.ranks == Ranks::All,
                 };
-                let capacity = member.kernels.co_resident_blocks(entry, threads)?;
-                if plan.blocks * grid_y > capacity {
+                let (fits, capacity) = self.co_resident(member, entry, &plan)?;
+                if !fits {
                     return Err(Error::NotCoResident {
                         blocks: plan.blocks * grid_y,
-                        threads,
+                        threads: plan.threads,
                         capacity,
                     });
                 }
@@ -469,6 +623,7 @@ impl Collective {
                         count: (n * hidden) as u64,
                         timeout_ns: self.config.timeout_ns(),
                         rank,
+                        absent_ranks: absent,
                         host_error: member.mailbox.device_ptr(),
                         landing_part,
                         landing_offset,
@@ -499,12 +654,57 @@ impl Collective {
                         entry,
                         (plan.blocks, grid_y),
                         plan.threads,
+                        plan.ctas,
                         &args,
                     )?
                 };
             }
         }
         Ok(plan.algorithm)
+    }
+
+    /// Whether `plan`'s blocks of `entry` can all be resident at once on
+    /// `member`'s device, and how many blocks can. Blocks without clusters
+    /// are counted at the configured block size (a launch of at most as
+    /// many threads fits wherever that one does); clusters at the plan's
+    /// block size, whole clusters. Both cached when the group was made
+    /// ([`Kernels::prepare`]): no driver call here, as a call inside a
+    /// graph capture must not make one.
+    fn co_resident(&self, member: &Member, entry: Entry, plan: &NormPlan) -> Result<(bool, u32)> {
+        let grid_y = match member.ranks {
+            Ranks::All => self.world as u32,
+            Ranks::One(_) => 1,
+        };
+        if plan.ctas <= 1 {
+            let capacity = member
+                .kernels
+                .co_resident_blocks(entry, self.config.threads_per_block)?;
+            return Ok((plan.blocks * grid_y <= capacity, capacity));
+        }
+        let clusters = member
+            .kernels
+            .co_resident_clusters(entry, plan.threads, plan.ctas)?;
+        Ok((
+            plan.blocks / plan.ctas * grid_y <= clusters,
+            clusters * plan.ctas,
+        ))
+    }
+
+    /// Whether every member can hold `plan`'s clusters (of `dtype`) at once.
+    fn clusters_fit(&self, plan: &NormPlan, dtype: Dtype) -> Result<bool> {
+        for member in &self.members {
+            let entry = Entry {
+                op: Op::AddRmsNorm,
+                algorithm: plan.algorithm,
+                dtype,
+                world: self.world,
+                virtual_ranks: member.ranks == Ranks::All,
+            };
+            if !self.co_resident(member, entry, plan)?.0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Fused call with zero-copy input: the first `rows * hidden` elements
@@ -549,6 +749,7 @@ impl Collective {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::abi::norm_reg_path_split;
 
     fn plan(c: &Config, rows: usize, hidden: usize, choice: AlgoChoice) -> Result<NormPlan> {
         NormPlan::new(
@@ -560,6 +761,7 @@ mod tests {
             Link::NvLink,
             choice,
             Inputs::Staged,
+            1,
         )
     }
 
@@ -634,6 +836,7 @@ mod tests {
                 Link::NvLink,
                 choice,
                 Inputs::Staged,
+                1,
             )
         };
         // 7168 bf16: 896 chunks, two per thread: 448 threads (14 warps).
@@ -707,6 +910,7 @@ mod tests {
                         Link::NvLink,
                         AlgoChoice::OneStage,
                         Inputs::Staged,
+                        1,
                     )
                     .expect("plan");
                     let lanes = dtype.lanes();
@@ -732,6 +936,146 @@ mod tests {
     }
 
     #[test]
+    fn push_ll_rows_split_over_clusters_where_blocks_are_spare() {
+        let plan_on = |c: &Config, rows, hidden, link, clusters| {
+            NormPlan::new(
+                c,
+                Dtype::Bf16,
+                rows,
+                hidden,
+                2,
+                link,
+                AlgoChoice::PushLl,
+                Inputs::Staged,
+                if clusters { NORM_MAX_CTAS as u32 } else { 1 },
+            )
+            .expect("plan")
+        };
+        let c = Config::with_max_bytes(1 << 20);
+        // 7168 bf16 (896 chunks) on NVLink (64 blocks): 8 CTAs of 128
+        // chunks (the last one idle), 64 threads each.
+        let p = plan_on(&c, 1, 7168, Link::NvLink, true);
+        assert_eq!((p.ctas, p.blocks, p.threads), (8, 8, 64));
+        let p = plan_on(&c, 8, 7168, Link::NvLink, true);
+        assert_eq!((p.ctas, p.blocks), (8, 64));
+        // Same device (16 blocks): fewer CTAs per row as rows grow, never 2.
+        for (rows, ctas, blocks) in [(1, 8, 8), (2, 8, 16), (3, 4, 12), (4, 4, 16), (5, 1, 5)] {
+            let p = plan_on(&c, rows, 7168, Link::SameDevice, true);
+            assert_eq!((p.ctas, p.blocks), (ctas, blocks), "{rows} rows");
+        }
+        // Two ranks keep rows whole that 256 threads hold (4096 bf16);
+        // more ranks split them, down to 32 chunks per CTA.
+        assert_eq!(plan_on(&c, 1, 4096, Link::NvLink, true).ctas, 1);
+        for (world, hidden, ctas) in [
+            (4, 4096, 8),
+            (8, 2048, 8),
+            (8, 1024, 4),
+            (8, 64, 1),
+            (1, 7168, 1),
+        ] {
+            let p = NormPlan::new(
+                &c,
+                Dtype::Bf16,
+                1,
+                hidden,
+                world,
+                Link::NvLink,
+                AlgoChoice::PushLl,
+                Inputs::Staged,
+                NORM_MAX_CTAS as u32,
+            )
+            .expect("plan");
+            assert_eq!(p.ctas, ctas, "world {world} hidden {hidden}");
+        }
+        // f32 4096 (512 chunks, one per thread: 512 threads) splits at w2.
+        let f32_row = NormPlan::new(
+            &c,
+            Dtype::F32,
+            1,
+            4096,
+            2,
+            Link::NvLink,
+            AlgoChoice::PushLl,
+            Inputs::Staged,
+            NORM_MAX_CTAS as u32,
+        )
+        .expect("plan");
+        assert_eq!(f32_row.ctas, 8);
+        // No clusters, or another algorithm: one block per row.
+        let p = plan_on(&c, 1, 7168, Link::NvLink, false);
+        assert_eq!((p.ctas, p.blocks, p.threads), (1, 1, 448));
+        let one = NormPlan::new(
+            &c,
+            Dtype::Bf16,
+            1,
+            7168,
+            2,
+            Link::NvLink,
+            AlgoChoice::OneStage,
+            Inputs::Staged,
+            1,
+        )
+        .expect("plan");
+        assert_eq!(one.ctas, 1);
+        // Explicit: as asked, within the block cap.
+        for k in [1u32, 2, 4, 8] {
+            let c = Config {
+                fused_ctas: Some(k),
+                ..Config::with_max_bytes(1 << 20)
+            };
+            let p = plan_on(&c, 5, 8, Link::SameDevice, true);
+            assert_eq!((p.ctas, p.blocks % k), (k, 0), "fused_ctas {k}");
+            let capped = Config {
+                max_blocks: Some(3),
+                ..c.clone()
+            };
+            assert_eq!(plan_on(&capped, 1, 7168, Link::NvLink, true).ctas, k.min(2));
+        }
+        assert_eq!(
+            split_ctas(None, 896, 2, 0, 2, 64, 8),
+            8,
+            "no rows: one launch of nothing"
+        );
+    }
+
+    #[test]
+    fn split_plans_keep_every_cta_on_the_register_path() {
+        // The kernel checks `norm_reg_path_split` with the launch's block
+        // and cluster; whatever the plan picks must pass it.
+        for k in [1u32, 2, 4, 8] {
+            let c = Config {
+                fused_ctas: Some(k),
+                ..Config::with_max_bytes(1 << 20)
+            };
+            for dtype in Dtype::ALL {
+                for hidden in (8..=8192usize).step_by(8) {
+                    let Ok(p) = NormPlan::new(
+                        &c,
+                        dtype,
+                        1,
+                        hidden,
+                        2,
+                        Link::NvLink,
+                        AlgoChoice::PushLl,
+                        Inputs::Staged,
+                        NORM_MAX_CTAS as u32,
+                    ) else {
+                        continue;
+                    };
+                    let lanes = dtype.lanes();
+                    let (t, ctas) = (p.threads as u64, p.ctas);
+                    assert!(
+                        norm_reg_path_split(lanes, hidden as u64, t, ctas),
+                        "{dtype:?} hidden {hidden} ctas {ctas}: {t} threads"
+                    );
+                    assert!(t == 32 || !norm_reg_path_split(lanes, hidden as u64, t - 32, ctas));
+                    assert_eq!(p.blocks % p.ctas, 0);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn zero_copy_plans_are_one_launch() {
         let c = Config::with_max_bytes(1 << 20);
         let zc = |rows, choice| {
@@ -744,6 +1088,7 @@ mod tests {
                 Link::NvLink,
                 choice,
                 Inputs::ZeroCopy,
+                1,
             )
         };
         // One-stage reads the inputs where they are: any number of rows.

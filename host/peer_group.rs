@@ -489,7 +489,7 @@ impl PeerGroup {
         self.core.check(&s)
     }
 
-    /// Zeroes every rank's signal after waiting for all devices.
+    /// Zeroes every rank's signal and landing zone after waiting for all devices.
     pub fn reset(&self) -> Result<()> {
         self.core.reset()
     }

@@ -643,7 +643,7 @@ impl ProcessGroup {
         self.core.check(&[stream])
     }
 
-    /// Zeroes this rank's signal after waiting for the device. Every rank
+    /// Zeroes this rank's signal and landing zone after waiting for the device. Every rank
     /// must reset (and agree on it out of band) before the next collective.
     pub fn reset(&self) -> Result<()> {
         self.core.reset()

@@ -431,7 +431,7 @@ impl VirtualGroup {
     }
 
     /// Brings every rank back to a clean state after an error: waits for the
-    /// device, zeroes all signals (epochs and error records).
+    /// device, zeroes all signals (epochs and error records) and landing zones.
     pub fn reset(&self) -> Result<()> {
         self.core.reset()
     }
@@ -455,6 +455,40 @@ impl VirtualGroup {
             during: "cuStreamSynchronize",
             source,
         })
+    }
+}
+
+impl VirtualGroup {
+    /// Fault injection for the fused call, as [`VirtualGroup::launch_with_absent_ranks`]
+    /// for the allreduce: one fused allreduce + residual add + RMSNorm of
+    /// `rows x hidden` elements of `dtype` with `algorithm` over the
+    /// group's own buffers, in which the ranks in `absent_ranks` leave at
+    /// once; the others wait for them until the timeout and record
+    /// `PeerTimeout`, which [`VirtualGroup::check`] reports. Returns the
+    /// algorithm that ran (the plan's, refusals as for the fused call:
+    /// `rows * hidden` must fit `Config::max_bytes`). Waits for the stream.
+    pub fn add_rmsnorm_with_absent_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        absent_ranks: u32,
+        dtype: Dtype,
+        algorithm: AlgoChoice,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<Algorithm> {
+        let used = self.core.add_rmsnorm_with_absent_ranks(
+            &[stream],
+            absent_ranks,
+            dtype,
+            rows,
+            hidden,
+            algorithm,
+        )?;
+        stream.synchronize().map_err(|source| Error::Driver {
+            during: "cuStreamSynchronize",
+            source,
+        })?;
+        Ok(used)
     }
 }
 

@@ -1429,6 +1429,67 @@ fn tree_sum_model_every_length() {
     }
 }
 
+/// [`model_tree_sum`] split over a cluster of `ctas` CTAs as the fused
+/// push_ll splits a row (`kernels/norm.rs`, `ClusterRow`): CTA c reduces
+/// chunks `[c * range, (c + 1) * range)` (`range` from
+/// `abi::norm_split_range`, possibly none) with `nthreads` threads, then
+/// one warp adds the CTAs' partials (lane c holds CTA c's, +0.0 past the
+/// CTAs that hold chunks). `range_of` gives the range (the test's mutant
+/// replaces it).
+fn model_split_tree_sum(
+    parts: &[f32],
+    ctas: u64,
+    nthreads: u64,
+    range_of: fn(u64, u64) -> u64,
+) -> f32 {
+    let chunks = parts.len() as u64;
+    let range = range_of(chunks, ctas);
+    let mut v = [0f32; 32];
+    for c in 0..ctas {
+        let first = (c * range).min(chunks);
+        let last = ((c + 1) * range).min(chunks);
+        if first < last {
+            v[c as usize] = model_tree_sum(&parts[first as usize..last as usize], nthreads);
+        }
+    }
+    model_warp_tree(&mut v, &STRIDES)
+}
+
+/// Every row length, split over every cluster size the host launches
+/// (with the block the plan gives a CTA's range, and one warp), is the
+/// tree's sum bit for bit; an even split (ranges of `ceil(n / ctas)`, not a
+/// power of two) is not, for some lengths: the model can fail.
+#[test]
+fn split_tree_sum_is_the_pairwise_tree() {
+    use p2p_allreduce::abi::{norm_split_range, NORM_MAX_CTAS};
+    let range_of: fn(u64, u64) -> u64 =
+        |chunks, ctas| norm_split_range(chunks as u32, ctas as u32) as u64;
+    let mut ctas = 1u64;
+    while ctas <= NORM_MAX_CTAS as u64 {
+        for chunks in 1..=NORM_MAX_CHUNKS {
+            let parts = partials(chunks, 3 * chunks as u64 + ctas);
+            let want = tree_by_halves(&parts).to_bits();
+            let local = range_of(chunks as u64, ctas).min(chunks as u64);
+            let plan_threads = local.div_ceil(2).div_ceil(WARP) * WARP;
+            for nthreads in [WARP, plan_threads.clamp(WARP, 1024)] {
+                let got = model_split_tree_sum(&parts, ctas, nthreads, range_of);
+                assert_eq!(
+                    got.to_bits(),
+                    want,
+                    "chunks {chunks} ctas {ctas} threads {nthreads}"
+                );
+            }
+        }
+        ctas *= 2;
+    }
+    let even: fn(u64, u64) -> u64 = |chunks, ctas| chunks.div_ceil(ctas);
+    let caught = (1..=NORM_MAX_CHUNKS).step_by(13).any(|chunks| {
+        let parts = partials(chunks, 5 + chunks as u64);
+        model_split_tree_sum(&parts, 8, 512, even).to_bits() != tree_by_halves(&parts).to_bits()
+    });
+    assert!(caught, "an even (unaligned) split went unnoticed");
+}
+
 /// The model can fail: a warp that runs its strides from 16 down, or
 /// quarters added one after the other, change the sum for some lengths.
 #[test]

@@ -46,6 +46,7 @@ fn main() {
         ("thresholds_file_moves_auto", thresholds_file),
         ("fused_add_rmsnorm_bit_exact", fused_add_rmsnorm),
         ("fused_registered_zero_copy", fused_registered),
+        ("fused_push_ll_split_over_clusters", fused_push_ll_clusters),
         ("ipc_process_group_every_gpu", ipc_processes),
         ("killed_rank_process_times_out_and_recovers", killed_rank),
         #[cfg(feature = "nccl")]
@@ -637,6 +638,21 @@ fn timeout(g: &Gpu) {
                 ),
             }
             v3.reset().expect("reset");
+            // The landing zones are clear: the next collective of the same
+            // epochs sees no line or slot the failed one left.
+            run_case(
+                g,
+                &v3,
+                Spec {
+                    dtype,
+                    world: 3,
+                    len: 5000,
+                    algo,
+                    registered: false,
+                    graph: false,
+                    seed: 77,
+                },
+            );
             pg.launch_with_absent_ranks(&streams, 0b10, dtype, algo, 5000)
                 .expect("launch");
             match pg.check(&streams) {
@@ -1354,6 +1370,196 @@ fn graph_nodes(graph: &cudarc::driver::CudaGraph) -> usize {
     let r = unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut n) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuGraphGetNodes");
     n
+}
+
+/// The cluster size (CTAs along x; 1 for a launch without clusters) of
+/// every kernel node of a captured graph.
+fn graph_cluster_sizes(graph: &cudarc::driver::CudaGraph) -> Vec<u32> {
+    let n = graph_nodes(graph);
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    let mut got = n;
+    // SAFETY: a live graph; `nodes` has room for `got` handles.
+    let r = unsafe { sys::cuGraphGetNodes(graph.cu_graph(), nodes.as_mut_ptr(), &mut got) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuGraphGetNodes");
+    let mut sizes = Vec::new();
+    for &node in &nodes[..got] {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of the live graph; `t` is written.
+        let r = unsafe { sys::cuGraphNodeGetType(node, &mut t) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuGraphNodeGetType");
+        if t != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            continue;
+        }
+        // SAFETY: plain data, all zeros valid; written by the call.
+        let mut v: sys::CUkernelNodeAttrValue = unsafe { std::mem::zeroed() };
+        // SAFETY: a kernel node of the live graph; `v` is written.
+        let r = unsafe {
+            sys::cuGraphKernelNodeGetAttribute(
+                node,
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                &mut v,
+            )
+        };
+        assert_eq!(
+            r,
+            sys::CUresult::CUDA_SUCCESS,
+            "cuGraphKernelNodeGetAttribute"
+        );
+        // SAFETY: the cluster-dimension member of the value just read.
+        sizes.push(unsafe { v.clusterDim.x }.max(1));
+    }
+    sizes
+}
+
+/// Fused push_ll rows split over thread-block clusters (sm_90 and newer):
+/// every cluster size `Config::fused_ctas` takes, every dtype, worlds 1, 2,
+/// 3 and 8, rows that need several rows per cluster, and rows whose last
+/// CTAs hold no chunk (hidden 8 over 8 CTAs; 7168 over 8: 7 used), each
+/// bit-exact on every rank from a graph replay. The graph's kernel node
+/// shows the cluster size that ran: the plan's on sm_90 and newer, 1
+/// before (no clusters: one block per row).
+fn fused_push_ll_clusters(g: &Gpu) {
+    let major = g
+        .ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .expect("compute capability");
+    let mut cases = 0;
+    for ctas in [1u32, 2, 4, 8] {
+        for world in [1usize, 2, 3, 8] {
+            let cfg = Config {
+                fused_ctas: Some(ctas),
+                ..Config::with_max_bytes(1 << 20)
+            };
+            let grp = VirtualGroup::new(&g.ctx, world, cfg).expect("group");
+            for dtype in Dtype::ALL {
+                for hidden in [8usize, 64, 1024, 4096, 7168, 8192] {
+                    if !takes_push_ll(dtype, hidden) {
+                        continue;
+                    }
+                    let row_counts: &[usize] = if world == 8 { &[1, 5] } else { &[1, 3, 17] };
+                    for &rows in row_counts {
+                        let c = NormCase {
+                            dtype,
+                            world,
+                            rows,
+                            hidden,
+                            seed: 4000 + cases as u64 * 5,
+                        };
+                        let want = if major >= 9 { ctas } else { 1 };
+                        match dtype {
+                            Dtype::F32 => fused_cluster_case::<f32>(g, &grp, &c, want),
+                            Dtype::F16 => fused_cluster_case::<half::f16>(g, &grp, &c, want),
+                            Dtype::Bf16 => fused_cluster_case::<half::bf16>(g, &grp, &c, want),
+                        }
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!("  {cases} fused push_ll cases over clusters of 1, 2, 4 and 8 CTAs (sm_{major}x: clusters {}) bit-exact on every rank", if major >= 9 { "on" } else { "off" });
+    // A dead peer: every CTA of every cluster leaves after the row whose
+    // wait timed out (none waits at a cluster barrier for one that left),
+    // the timeout is reported, and after `reset` (which clears the landing
+    // zones the failed call wrote) the next calls are bit-exact again.
+    for ctas in [1u32, 8] {
+        let cfg = Config {
+            fused_ctas: Some(ctas),
+            timeout: Duration::from_millis(20),
+            ..Config::with_max_bytes(1 << 20)
+        };
+        let grp = VirtualGroup::new(&g.ctx, 2, cfg).expect("group");
+        for rows in [1usize, 5] {
+            let what = format!("dead peer, clusters of {ctas}, {rows} rows");
+            let t0 = Instant::now();
+            let used = grp
+                .add_rmsnorm_with_absent_ranks(
+                    &g.stream,
+                    0b10,
+                    Dtype::Bf16,
+                    AlgoChoice::PushLl,
+                    rows,
+                    7168,
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(used, Algorithm::PushLl, "{what}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{what}: took {:?}",
+                t0.elapsed()
+            );
+            match grp.check(&g.stream) {
+                Err(Error::PeerTimeout {
+                    rank: 0, peer: 1, ..
+                }) => {}
+                other => panic!("{what}: expected PeerTimeout of rank 0 naming 1, got {other:?}"),
+            }
+            grp.reset().expect("reset");
+            let want = if major >= 9 { ctas } else { 1 };
+            for seed in [1u64, 2] {
+                let c = NormCase {
+                    dtype: Dtype::Bf16,
+                    world: 2,
+                    rows,
+                    hidden: 7168,
+                    seed: 7000 + seed + rows as u64,
+                };
+                fused_cluster_case::<half::bf16>(g, &grp, &c, want);
+            }
+        }
+    }
+    println!(
+        "  a dead peer under clusters of 1 and 8 CTAs: reported, no hang, bit-exact after reset"
+    );
+}
+
+/// One [`fused_push_ll_clusters`] case: the fused push_ll call captured,
+/// its kernel node's cluster size checked against `ctas`, the graph
+/// launched, every rank checked.
+fn fused_cluster_case<T: Bits>(g: &Gpu, grp: &VirtualGroup, c: &NormCase, ctas: u32) {
+    let count = c.rows * c.hidden;
+    let (x, res, gam, want) = c.data();
+    let what = format!(
+        "fused push_ll {:?} world {} rows {} hidden {} in clusters of {ctas}",
+        c.dtype, c.world, c.rows, c.hidden
+    );
+    let xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
+    let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
+    let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
+    let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+    let graph = {
+        let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
+        let xr: Vec<&_> = xv.iter().collect();
+        let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
+        let gr: Vec<&_> = gv.iter().collect();
+        let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        capture(g, || {
+            grp.allreduce_add_rmsnorm(
+                &g.stream,
+                &xr,
+                &mut rv,
+                &gr,
+                NORM_EPS,
+                &mut ov,
+                AlgoChoice::PushLl,
+            )
+        })
+    };
+    // One kernel node per push_ll step (rows beyond the zone take several).
+    let sizes = graph_cluster_sizes(&graph);
+    assert!(
+        !sizes.is_empty() && sizes.iter().all(|&k| k == ctas),
+        "{what}: kernel nodes' cluster sizes {sizes:?}"
+    );
+    graph.launch().expect("graph launch");
+    grp.check(&g.stream)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    for r in 0..c.world {
+        let got_res = download(g, &rs[r], count);
+        let got_norm = download(g, &outs[r], count);
+        check_norm_rank(&what, c.dtype, r, (&got_res, &got_norm), &want[r]);
+    }
 }
 
 /// Staged push_ll reads each rank's input where it is (`own_inputs`, no

@@ -315,6 +315,50 @@ pub const fn norm_reg_path(lanes: usize, hidden: u64, threads: u64) -> bool {
         && hidden / NORM_CHUNK as u64 <= norm_reg_slots(lanes) as u64 * threads
 }
 
+/// CTAs at most in the thread-block cluster of a fused push_ll row (the
+/// portable cluster size of sm_90 and sm_120).
+pub const NORM_MAX_CTAS: usize = 8;
+
+/// Words of the fused push_ll kernel's cluster exchange in each CTA's shared
+/// memory: per row parity, the CTA's partial sum of squares and whether
+/// any of its waits failed.
+pub const NORM_CLUSTER_WORDS: usize = 4;
+
+/// Chunks each CTA takes when a row of `chunks` chunks is split over a
+/// cluster of `ctas` CTAs (a power of two, at most [`NORM_MAX_CTAS`]; the
+/// kernel refuses other clusters): the least power of two that covers the
+/// row in `ctas` ranges. CTA c takes chunks `[c * range, min((c + 1) *
+/// range, chunks))` (possibly none): an aligned power-of-two range is a
+/// subtree of the pairwise tree (docs/numerics.md), so the split changes
+/// no bit. Shifts only (no division: the kernels compute it before their
+/// first loads).
+pub const fn norm_split_range(chunks: u32, ctas: u32) -> u32 {
+    let l = ctas.trailing_zeros();
+    let per = (chunks + (1 << l) - 1) >> l;
+    per.next_power_of_two()
+}
+
+/// Whether rows of `hidden` elements split over `ctas` CTAs (a cluster, a
+/// power of two up to [`NORM_MAX_CTAS`]; 1: one block per row) take the
+/// register path with `threads` threads per block: every chunk whole, the
+/// row at most [`NORM_MAX_HIDDEN`], and each CTA's range at most
+/// [`norm_reg_slots`] chunks per thread. For `ctas == 1` this is
+/// [`norm_reg_path`].
+#[allow(clippy::manual_is_multiple_of)]
+pub const fn norm_reg_path_split(lanes: usize, hidden: u64, threads: u64, ctas: u32) -> bool {
+    if hidden % NORM_CHUNK as u64 != 0
+        || hidden > NORM_MAX_HIDDEN as u64
+        || !ctas.is_power_of_two()
+        || ctas as usize > NORM_MAX_CTAS
+    {
+        return false;
+    }
+    let chunks = (hidden / NORM_CHUNK as u64) as u32;
+    let range = norm_split_range(chunks, ctas);
+    let local = if range < chunks { range } else { chunks };
+    local as u64 <= norm_reg_slots(lanes) as u64 * threads
+}
+
 /// The one by-value parameter of the fused allreduce + residual add +
 /// RMSNorm entries (`allreduce_rmsnorm_*`). `base` is an allreduce's, with
 /// `count = rows * hidden` elements and `outputs` the normed results; per
@@ -342,6 +386,7 @@ const _: () = {
     assert!(offset_of!(NormArgs, rows) == 440);
     assert!(offset_of!(NormArgs, eps) == 456);
     assert!(NORM_MAX_CHUNKS * 4 == 16384);
+    assert!(NORM_CLUSTER_WORDS * 4 == 16);
 };
 
 /// Element types the kernels reduce.

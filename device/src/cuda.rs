@@ -112,6 +112,100 @@ pub fn norm_shared() -> SharedWords {
     SharedWords(p)
 }
 
+/// The block's [`crate::abi::NORM_CLUSTER_WORDS`] f32 words of static shared
+/// memory through which the CTAs of a thread-block cluster exchange a fused
+/// row's partial sums (read by the other CTAs with
+/// [`SharedWords::load_cluster`]). Declared as [`norm_shared`] is: once, at
+/// the top of the kernel that calls this.
+#[inline(always)]
+pub fn norm_cluster_words() -> SharedWords {
+    let p: u32;
+    // SAFETY: declares the block's shared array and takes its address; no
+    // memory access. 16 bytes = NORM_CLUSTER_WORDS * 4 (asserted in abi.rs).
+    unsafe {
+        asm!(
+            "{{ .shared .align 16 .b8 p2p_norm_cluster[16];",
+            "mov.u32 {p}, p2p_norm_cluster; }}",
+            p = out(reg32) p,
+            options(nostack, nomem));
+    }
+    SharedWords(p)
+}
+
+/// The CTAs of this block's thread-block cluster (`%cluster_nctarank`) and
+/// this block's rank in it (`%cluster_ctarank`): `(1, 0)` for a launch
+/// without clusters, and always before sm_90, which has none.
+#[inline(always)]
+pub fn cluster_shape() -> (u32, u32) {
+    #[cfg(target_feature = "sm_90")]
+    {
+        let (n, r): (u32, u32);
+        // SAFETY: reads special registers; valid in any kernel on sm_90+.
+        unsafe {
+            asm!("mov.u32 {n}, %cluster_nctarank;", "mov.u32 {r}, %cluster_ctarank;",
+                n = out(reg32) n, r = out(reg32) r, options(nostack, nomem, pure));
+        }
+        // Never 0; `max` keeps a division by it panic-free.
+        (n.max(1), r)
+    }
+    #[cfg(not(target_feature = "sm_90"))]
+    {
+        (1, 0)
+    }
+}
+
+/// `barrier.cluster.arrive` then `barrier.cluster.wait`: every thread of
+/// every CTA of the cluster must call it (`.aligned`: the warp converged).
+/// The arrive releases this thread's earlier shared-memory writes and the
+/// wait acquires the other CTAs' (the PTX defaults), so after it a CTA
+/// reads what another wrote before it, and no CTA has gone past it while
+/// another has not reached it (so none exits while another still reads
+/// its shared memory, read before its own arrive).
+#[cfg(target_feature = "sm_90")]
+#[inline(always)]
+pub fn cluster_sync() {
+    // SAFETY: a barrier over the cluster; callers keep control flow uniform
+    // across the cluster, as `.aligned` requires.
+    unsafe {
+        asm!(
+            "barrier.cluster.arrive.aligned;",
+            "barrier.cluster.wait.aligned;",
+            options(nostack)
+        )
+    }
+}
+
+/// `shfl.sync.idx.b32` from lane 0 over the whole warp: every lane gets
+/// lane 0's `v`. Every lane of the warp must call it together.
+#[inline(always)]
+pub fn shfl_lane0(v: f32) -> f32 {
+    let r: f32;
+    // SAFETY: a warp shuffle; callers keep the warp converged.
+    unsafe {
+        asm!("shfl.sync.idx.b32 {r}, {v}, 0, 31, -1;",
+            v = in(reg32) v, r = out(reg32) r, options(nostack, nomem));
+    }
+    r
+}
+
+/// `vote.sync.any.pred` over the whole warp: whether any lane passed
+/// `true`. Every lane of the warp must call it together.
+#[inline(always)]
+pub fn warp_any(pred: bool) -> bool {
+    let r: u32;
+    // SAFETY: a warp vote; callers keep the warp converged.
+    unsafe {
+        asm!(
+            "{{ .reg .pred p, q;",
+            "setp.ne.u32 p, {x}, 0;",
+            "vote.sync.any.pred q, p, -1;",
+            "selp.u32 {r}, 1, 0, q; }}",
+            x = in(reg32) pred as u32, r = out(reg32) r,
+            options(nostack, nomem));
+    }
+    r != 0
+}
+
 /// f32 words of the block's shared memory, from a shared-window address.
 /// Accesses are ordered between threads by `bar.sync` only.
 #[derive(Clone, Copy)]
@@ -135,6 +229,31 @@ impl SharedWords {
         // SAFETY: a shared-memory load inside the array (caller contract).
         unsafe {
             asm!("ld.shared.f32 {v}, [{p}];", p = in(reg32) self.0 + 4 * i, v = out(reg32) v,
+                options(nostack, readonly));
+        }
+        v
+    }
+
+    /// Word `i` of CTA `cta`'s copy of these words in this block's
+    /// thread-block cluster (`mapa` then `ld.shared::cluster.f32`; `cta`
+    /// may be this block's own rank).
+    ///
+    /// # Safety
+    /// Word `i` lies inside the shared array; `cta` is below the cluster's
+    /// CTA count; that CTA wrote the word before a [`cluster_sync`] this
+    /// thread has passed, writes it again only after a later one, and has
+    /// not exited.
+    #[cfg(target_feature = "sm_90")]
+    #[inline(always)]
+    pub unsafe fn load_cluster(self, i: u32, cta: u32) -> f32 {
+        let v: f32;
+        // SAFETY: a distributed shared-memory load inside the array of a
+        // live CTA of the cluster (caller contract).
+        unsafe {
+            asm!("{{ .reg .b32 a;",
+                "mapa.shared::cluster.u32 a, {p}, {c};",
+                "ld.shared::cluster.f32 {v}, [a]; }}",
+                p = in(reg32) self.0 + 4 * i, c = in(reg32) cta, v = out(reg32) v,
                 options(nostack, readonly));
         }
         v

@@ -19,6 +19,42 @@ pub struct Kernels {
     /// Co-resident block capacity per (entry, threads): a fixed property of
     /// the kernel and device, asked on every virtual launch.
     capacity: Mutex<HashMap<(Entry, u32), u32>>,
+    /// Co-resident cluster capacity per (entry, threads, CTAs per cluster).
+    cluster_capacity: Mutex<HashMap<(Entry, u32, u32), u32>>,
+}
+
+/// The launch attribute of thread-block clusters of `ctas` blocks along x.
+fn cluster_attribute(ctas: u32) -> sys::CUlaunchAttribute {
+    // SAFETY: the attribute is plain data (an id and a union of plain
+    // values); all zeros is a valid value of it, overwritten below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = ctas;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    attr
+}
+
+/// A launch configuration of `grid` blocks of `threads` threads, no
+/// dynamic shared memory, on `stream`, with the one attribute `attr`.
+fn launch_config(
+    grid: (u32, u32),
+    threads: u32,
+    stream: sys::CUstream,
+    attr: &mut sys::CUlaunchAttribute,
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: 1,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: attr,
+        numAttrs: 1,
+    }
 }
 
 // SAFETY: CUmodule and CUfunction handles are usable from any thread once the
@@ -63,6 +99,7 @@ impl Kernels {
             ptx,
             functions: Mutex::new(HashMap::new()),
             capacity: Mutex::new(HashMap::new()),
+            cluster_capacity: Mutex::new(HashMap::new()),
         })
     }
 
@@ -95,7 +132,9 @@ impl Kernels {
     }
 
     /// Launches a fused entry (`Op::AddRmsNorm`) with one by-value
-    /// [`NormArgs`] on `stream`, with this module's context current.
+    /// [`NormArgs`] on `stream`, with this module's context current; in
+    /// thread-block clusters of `ctas` blocks along x when `ctas > 1`
+    /// (`grid.0` a multiple of it; sm_90 and newer).
     ///
     /// # Safety
     /// As for [`Kernels::launch`], for every pointer in `args` (residual,
@@ -106,19 +145,28 @@ impl Kernels {
         entry: Entry,
         grid: (u32, u32),
         threads: u32,
+        ctas: u32,
         args: &NormArgs,
     ) -> Result<()> {
         debug_assert_eq!(entry.op, crate::ptx::Op::AddRmsNorm);
-        // SAFETY: forwarded; a fused entry takes one NormArgs.
-        unsafe {
-            self.launch_param(
-                stream,
-                entry,
-                grid,
-                threads,
-                args as *const NormArgs as *mut c_void,
-            )
+        let param = args as *const NormArgs as *mut c_void;
+        if ctas <= 1 {
+            // SAFETY: forwarded; a fused entry takes one NormArgs.
+            return unsafe { self.launch_param(stream, entry, grid, threads, param) };
         }
+        debug_assert_eq!(grid.0 % ctas, 0, "the grid is whole clusters");
+        let f = self.function(entry)?;
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        let mut attr = cluster_attribute(ctas);
+        let config = launch_config(grid, threads, stream.cu_stream(), &mut attr);
+        let mut params = [param];
+        // SAFETY: as for `launch_param` (one parameter of the entry's size
+        // and layout, copied by the driver before it returns); `config`
+        // and the attribute it points to live through the call.
+        unsafe {
+            sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
+        }
+        .during("cuLaunchKernelEx(cluster)")
     }
 
     /// # Safety
@@ -186,7 +234,62 @@ impl Kernels {
                 }
             }
         }
+        // The cluster sizes the fused push_ll splits rows over.
+        if self.ptx.compute_capability.0 >= 9 {
+            for dtype in crate::abi::Dtype::ALL {
+                let entry = Entry {
+                    op: crate::ptx::Op::AddRmsNorm,
+                    algorithm: crate::abi::Algorithm::PushLl,
+                    dtype,
+                    world,
+                    virtual_ranks,
+                };
+                // At every block a split plan can have (a multiple of 32
+                // up to the configured one).
+                let mut ctas = 2;
+                while ctas as usize <= crate::abi::NORM_MAX_CTAS {
+                    for t in (32..=threads).step_by(32) {
+                        self.co_resident_clusters(entry, t, ctas)?;
+                    }
+                    ctas *= 2;
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// How many clusters of `ctas` blocks of `threads` threads of `entry`
+    /// fit on the whole GPU at once (`ctas == 1`: blocks, as
+    /// [`Kernels::co_resident_blocks`]). Cached, like it; [`Kernels::prepare`]
+    /// asks for every cluster size the fused push_ll can use.
+    pub fn co_resident_clusters(&self, entry: Entry, threads: u32, ctas: u32) -> Result<u32> {
+        if ctas <= 1 {
+            return self.co_resident_blocks(entry, threads);
+        }
+        let key = (entry, threads, ctas);
+        if let Some(c) = self
+            .cluster_capacity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(*c);
+        }
+        let f = self.function(entry)?;
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        let mut attr = cluster_attribute(ctas);
+        let config = launch_config((ctas, 1), threads, std::ptr::null_mut(), &mut attr);
+        let mut n = 0i32;
+        // SAFETY: `f` is a valid function of a loaded module; `config`
+        // and its attribute live through the call; `n` is written.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &config).result() }
+            .during("cuOccupancyMaxActiveClusters")?;
+        let c = n.max(0) as u32;
+        self.cluster_capacity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, c);
+        Ok(c)
     }
 
     /// How many blocks of `threads` threads of `entry` fit on the whole GPU at once.

@@ -685,31 +685,154 @@ unsafe fn load_slots<E: Element>(buf: u64, base: u32, chunks: u32) -> Slots {
 /// [`norm_row`], so the same bits; the GPU suite covers both paths (hidden
 /// above `REG_SLOTS * 8 * blockDim.x` or not a multiple of 8 takes
 /// [`norm_row`]).
-struct RegRows {
+///
+/// Split over a thread-block cluster ([`RegRows::prepare`] with `split`,
+/// launched with clusters), each CTA takes the aligned power-of-two range
+/// of a row's chunks that [`crate::abi::norm_split_range`] gives it, and
+/// the CTAs add their ranges' partials through distributed shared memory
+/// ([`ClusterRow`]): the same tree, so the same bits, with the row's bytes
+/// spread over `ctas` SMs. `SPLIT` is false for launches that take whole
+/// rows: their code then computes no range (first pack 0, every chunk).
+struct RegRows<const SPLIT: bool> {
     on: bool,
     gamma: u64,
-    /// Chunks of a row.
+    /// This CTA's chunks of a row (all of them without a split; possibly
+    /// none for the last CTAs of a cluster).
     chunks: u32,
+    /// This CTA's first pack inside a row (its first chunk's).
+    first_pack: u32,
     /// Packs of a row.
     row_packs: u32,
     /// The next row's residual packs.
     res: Slots,
     /// Which half of `sh` the next row uses.
     half: usize,
+    /// The cluster's exchange (inactive without a split).
+    cluster: ClusterRow,
 }
 
-impl RegRows {
+/// The CTAs of a cluster that split each row ([`RegRows`]): every CTA
+/// reduces its range's squares, then every CTA adds the `used` CTAs'
+/// partials in the tree's order. Inactive (`ctas == 1`) without a split,
+/// and always before sm_90.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(target_feature = "sm_90"), allow(dead_code))]
+struct ClusterRow {
+    /// CTAs of the cluster.
+    ctas: u32,
+    /// CTAs that hold chunks of a row: `ceil(chunks / range)`.
+    used: u32,
+    /// This CTA's [`crate::abi::NORM_CLUSTER_WORDS`] exchange words (`None`
+    /// without a split).
+    words: Option<SharedWords>,
+}
+
+impl ClusterRow {
+    fn active(&self) -> bool {
+        self.ctas > 1
+    }
+
+    /// The row's total from this CTA's partial `local` (every thread holds
+    /// it), and whether any CTA's wait failed (`failed`: this thread's;
+    /// `can_fail`: whether the source's waits can fail at all):
+    /// the block's vote, thread 0 leaves both in this CTA's words of
+    /// parity `half`, a cluster barrier, then each warp reads the `used`
+    /// CTAs' words, adds the partials by [`warp_tree`] (lane c holds CTA
+    /// c's; an absent one adds +0.0, which changes no partial, as in the
+    /// tree) and ORs the votes. The words of a parity are written again
+    /// two rows later, after the next row's barrier, which no CTA passes
+    /// before every CTA has read these.
+    ///
+    /// # Safety
+    /// Active; every thread of every CTA of the cluster calls it, for the
+    /// same rows in the same order.
+    #[inline(always)]
+    unsafe fn combine(&self, local: f32, can_fail: bool, failed: bool, half: usize) -> (f32, bool) {
+        #[cfg(target_feature = "sm_90")]
+        {
+            let Some(words) = self.words else {
+                // Active only with a split, which gives the words.
+                trap()
+            };
+            let failed = can_fail && sync_threads_or(failed);
+            let at = 2 * half as u32;
+            if thread_idx_x() == 0 {
+                // SAFETY: words `at`, `at + 1` < NORM_CLUSTER_WORDS; no
+                // other CTA reads them until the barrier below, and none
+                // still reads this parity's from two rows ago (above).
+                unsafe {
+                    words.store(at, local);
+                    words.store(at + 1, if failed { 1.0 } else { 0.0 });
+                }
+            }
+            cluster_sync();
+            let lane = thread_idx_x() % WARP;
+            let (v, f) = if lane < self.used {
+                // SAFETY: CTA `lane` < used <= ctas wrote both words before
+                // the barrier and has not exited (it waits at a later one).
+                unsafe {
+                    (
+                        words.load_cluster(at, lane),
+                        words.load_cluster(at + 1, lane),
+                    )
+                }
+            } else {
+                (0.0, 0.0)
+            };
+            let total = shfl_lane0(warp_tree(v, lane));
+            (total, can_fail && warp_any(f != 0.0))
+        }
+        #[cfg(not(target_feature = "sm_90"))]
+        {
+            // Never active before sm_90 (`cluster_shape` is (1, 0)).
+            let _ = (local, can_fail, failed, half);
+            trap()
+        }
+    }
+
+    /// Before the CTA exits (or stops taking rows): a last cluster barrier,
+    /// so that no CTA leaves while another still reads its words.
+    ///
+    /// # Safety
+    /// Active; every thread of every CTA of the cluster calls it once,
+    /// after the same rows.
+    #[inline(always)]
+    unsafe fn finish(&self) {
+        #[cfg(target_feature = "sm_90")]
+        cluster_sync();
+        #[cfg(not(target_feature = "sm_90"))]
+        trap()
+    }
+}
+
+impl<const SPLIT: bool> RegRows<SPLIT> {
+    /// This CTA's first pack inside a row: 0 without a split (a constant,
+    /// so whole-row code adds nothing).
+    #[inline(always)]
+    fn first_pack(&self) -> u32 {
+        if SPLIT {
+            self.first_pack
+        } else {
+            0
+        }
+    }
+
     /// Decides the path (off unless `enabled`, the shape takes it
-    /// ([`crate::abi::norm_reg_path`]) and every pack index of the launch fits 32 bits) and,
-    /// on it, prefetches gamma and issues the loads of the block's first
-    /// row's residual (`first_row < rows`).
+    /// ([`crate::abi::norm_reg_path_split`]) and every pack index of the
+    /// launch fits 32 bits) and, on it, prefetches gamma and issues the
+    /// loads of the block's first row's residual (`first_row < rows`).
+    /// `split` (with `SPLIT`): a row is split over the CTAs of this block's
+    /// cluster (`words`: the cluster exchange, [`norm_cluster_words`]);
+    /// else each block takes whole rows, clusters or not.
     ///
     /// # Safety
     /// With `enabled`: `res_in` holds `rows * hidden` elements and `gamma`
     /// holds `hidden` (the launch contract).
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn prepare<E: Element>(
         enabled: bool,
+        split: Option<SharedWords>,
         res_in: u64,
         gamma: u64,
         first_row: u64,
@@ -717,34 +840,72 @@ impl RegRows {
         hidden: u64,
     ) -> Self {
         let lanes = E::LANES as u64;
+        let (ctas, cta) = match split {
+            Some(_) if SPLIT => cluster_shape(),
+            _ => (1, 0),
+        };
+        // A cluster of a power of two CTAs, at most NORM_MAX_CTAS, and a
+        // row of at most NORM_MAX_HIDDEN (else `on` is false and the
+        // values below unused): shifts, no division, ahead of the loads.
+        let shape_ok = if SPLIT {
+            crate::abi::norm_reg_path_split(E::LANES, hidden, block_dim_x() as u64, ctas)
+        } else {
+            crate::abi::norm_reg_path(E::LANES, hidden, block_dim_x() as u64)
+        };
         let on = enabled
-            && crate::abi::norm_reg_path(E::LANES, hidden, block_dim_x() as u64)
+            && shape_ok
             && rows
                 .checked_mul(hidden / lanes)
                 .is_some_and(|p| p <= u32::MAX as u64);
-        let chunks = (hidden / NORM_CHUNK as u64) as u32;
+        let all = (hidden / NORM_CHUNK as u64) as u32;
+        let (range, first, chunks) = if SPLIT {
+            let range = crate::abi::norm_split_range(all, ctas);
+            let first = (cta << range.trailing_zeros()).min(all);
+            (range, first, (all - first).min(range))
+        } else {
+            (1, 0, all)
+        };
+        let per_chunk = chunk_packs::<E>() as u32;
         let mut rr = RegRows {
             on,
             gamma,
             chunks,
+            first_pack: first as u32 * per_chunk,
             row_packs: (hidden / lanes) as u32,
             res: [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS],
             half: 0,
+            cluster: ClusterRow {
+                ctas,
+                used: if SPLIT {
+                    (all + range - 1) >> range.trailing_zeros()
+                } else {
+                    1
+                },
+                words: if SPLIT { split } else { None },
+            },
         };
         if on {
-            let per_chunk = chunk_packs::<E>() as u32;
             for_slot_packs!(E, chunks, |_j, m, k| {
-                // SAFETY: pack k * per_chunk + m of gamma's `hidden`
-                // elements (k < chunks; contract).
+                // SAFETY: pack first_pack + k * per_chunk + m of gamma's
+                // `hidden` elements (k < chunks of this CTA's range;
+                // contract).
                 unsafe {
-                    prefetch_l1((gamma as *const Pack).add((k * per_chunk + m as u32) as usize))
+                    prefetch_l1(
+                        (gamma as *const Pack)
+                            .add((rr.first_pack() + k * per_chunk + m as u32) as usize),
+                    )
                 };
             });
             if first_row < rows {
                 // SAFETY: row `first_row` < rows of the residual (contract);
                 // its first pack index fits (`on`).
-                rr.res =
-                    unsafe { load_slots::<E>(res_in, first_row as u32 * rr.row_packs, chunks) };
+                rr.res = unsafe {
+                    load_slots::<E>(
+                        res_in,
+                        first_row as u32 * rr.row_packs + rr.first_pack(),
+                        chunks,
+                    )
+                };
             }
         }
         rr
@@ -765,14 +926,16 @@ impl RegRows {
         row: u64,
         next: u64,
         sh: SharedWords,
-    ) {
+    ) -> bool {
         let per_chunk = chunk_packs::<E>() as u32;
         let chunks = self.chunks;
-        // Every pack index of the launch fits 32 bits (`on`).
-        let base = row as u32 * self.row_packs;
+        // Every pack index of the launch fits 32 bits (`on`). This CTA's
+        // first pack of the row.
+        let base = row as u32 * self.row_packs + self.first_pack();
         let mut q = [[[0u32; 4]; MAX_CHUNK_PACKS]; REG_SLOTS];
         let mut part = [0f32; REG_SLOTS];
-        if S::pairs(per_chunk as u64) {
+        // A CTA of a cluster whose range is empty waits for nothing.
+        if S::pairs(per_chunk as u64) && (!SPLIT || chunks > 0) {
             // Every sum first: no store between the loads (or the waits),
             // so they are all in flight together. A thread's two places:
             // (slot 0, pack 0) and, 16-bit, (slot 1, pack 0), f32, (slot 0,
@@ -784,8 +947,9 @@ impl RegRows {
             };
             let k0 = thread_idx_x();
             let k1 = k0 + j1 as u32 * block_dim_x();
-            // A place this thread does not hold asks for the row's first
-            // pack (or its first place's) instead; its sums go unused.
+            // A place this thread does not hold asks for this CTA's first
+            // pack of the row (or its first place's) instead; its sums go
+            // unused.
             let a = base + if k0 < chunks { k0 * per_chunk } else { 0 };
             let bp = if k1 < chunks {
                 base + k1 * per_chunk + m1 as u32
@@ -816,16 +980,34 @@ impl RegRows {
         // Gamma (an L1 hit after the prefetch) and the next row's residual:
         // in flight while the tree runs.
         // SAFETY: gamma holds `hidden` elements (contract).
-        let gamma = unsafe { load_slots::<E>(self.gamma, 0, chunks) };
+        let gamma = unsafe { load_slots::<E>(self.gamma, self.first_pack(), chunks) };
         if next < b.rows {
             // SAFETY: row `next` of the residual (next < rows, contract).
-            self.res = unsafe { load_slots::<E>(b.res_in, next as u32 * self.row_packs, chunks) };
+            self.res = unsafe {
+                load_slots::<E>(
+                    b.res_in,
+                    next as u32 * self.row_packs + self.first_pack(),
+                    chunks,
+                )
+            };
         }
         // SAFETY: chunks <= REG_SLOTS * blockDim.x (`on`); this row's half
         // of `sh` was last read two rows ago, before the previous row's
         // `bar.sync`s.
-        let total =
+        let local =
             unsafe { tree_sum_regs(part, chunks, sh.offset((self.half * REG_HALF_WORDS) as u32)) };
+        // Split: the CTAs' partials (the strides of the range size and up)
+        // and their votes; else the block votes after the row.
+        let (total, leave) = if SPLIT && self.cluster.active() {
+            // SAFETY: active; every thread of the cluster's CTAs takes the
+            // same rows (the cluster's), in order.
+            unsafe {
+                self.cluster
+                    .combine(local, S::CAN_FAIL, sums.failed(), self.half)
+            }
+        } else {
+            (local, false)
+        };
         self.half ^= 1;
         let inv = 1.0 / sqrt_rn(total / b.hidden as f32 + b.eps);
         for_slot_packs!(E, chunks, |j, m, k| {
@@ -838,6 +1020,7 @@ impl RegRows {
                 )
             };
         });
+        leave
     }
 }
 
@@ -868,14 +1051,14 @@ struct BlockRows {
 #[inline(always)]
 unsafe fn norm_rows<E: Element, S: RowSums>(
     sums: &mut S,
-    rr: &mut RegRows,
+    rr: &mut RegRows<false>,
     b: &BlockRows,
     sh: SharedWords,
 ) {
     // SAFETY (both arms): forwarded caller contract.
     unsafe {
         if rr.on {
-            reg_rows::<E, S>(sums, rr, b, sh)
+            reg_rows::<E, S, false>(sums, rr, b, sh)
         } else {
             two_pass_rows::<E, S>(sums, b, sh)
         }
@@ -884,14 +1067,15 @@ unsafe fn norm_rows<E: Element, S: RowSums>(
 
 /// The block's rows on the register path ([`RegRows::row`]). A source that
 /// can fail ends the loop after a row where any thread's wait failed (a
-/// `bar.red.or` vote).
+/// `bar.red.or` vote; split over a cluster, any thread's of any CTA). A
+/// split CTA passes a last cluster barrier before it stops.
 ///
 /// # Safety
 /// As for [`norm_rows`], with `rr.on`.
 #[inline(always)]
-unsafe fn reg_rows<E: Element, S: RowSums>(
+unsafe fn reg_rows<E: Element, S: RowSums, const SPLIT: bool>(
     sums: &mut S,
-    rr: &mut RegRows,
+    rr: &mut RegRows<SPLIT>,
     b: &BlockRows,
     sh: SharedWords,
 ) {
@@ -901,11 +1085,21 @@ unsafe fn reg_rows<E: Element, S: RowSums>(
         sums.for_row(row);
         // SAFETY: forwarded caller contract; `sh` holds NORM_MAX_CHUNKS
         // = 2 * REG_HALF_WORDS words.
-        unsafe { rr.row::<E, S>(sums, b, row, next, sh) };
-        if S::CAN_FAIL && sync_threads_or(sums.failed()) {
-            return;
+        let leave = unsafe { rr.row::<E, S>(sums, b, row, next, sh) };
+        let leave = if SPLIT && rr.cluster.active() {
+            leave
+        } else {
+            S::CAN_FAIL && sync_threads_or(sums.failed())
+        };
+        if leave {
+            break;
         }
         row = next;
+    }
+    if SPLIT && rr.cluster.active() {
+        // SAFETY: active; every CTA of the cluster took the same rows and
+        // left after the same one (the votes are the cluster's).
+        unsafe { rr.cluster.finish() };
     }
 }
 
@@ -1177,8 +1371,9 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     // barriers are waited.
     // SAFETY: the buffers the launch contract gives (unless `bad`).
     let mut rr = unsafe {
-        RegRows::prepare::<E>(
+        RegRows::<false>::prepare::<E>(
             !bad && (TWO_STAGE || N <= 4),
+            None,
             res_in,
             gamma,
             block as u64,
@@ -1281,24 +1476,61 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
 #[inline(always)]
 unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u32) {
     let a = &p.base;
-    let (rows, hidden) = (p.rows, p.hidden);
     // The table and epoch loads first: they head the longest chain (own
     // input, sends, the peers' waits); the work below overlaps them.
     // SAFETY: the launch contract.
     let Some(begun) = (unsafe { PushBegun::issue::<N>(a, rank, false) }) else {
         return;
     };
+    // The shared arrays, declared once for both paths below.
+    let (sh, words) = (norm_shared(), norm_cluster_words());
+    // Launched in thread-block clusters (sm_90+), the CTAs of a cluster
+    // split each of the cluster's rows; else a block takes whole rows, by
+    // code that computes no range.
+    let (ctas, _) = cluster_shape();
+    // SAFETY: forwarded launch contract; `sh` and `words` are this block's.
+    unsafe {
+        if ctas > 1 {
+            ll_rows::<E, N, true>(p, rank, begun, ctas, sh, words)
+        } else {
+            ll_rows::<E, N, false>(p, rank, begun, 1, sh, words)
+        }
+    }
+}
+
+/// [`allreduce_rmsnorm_ll`] after its first loads, for a launch in clusters
+/// of `ctas` CTAs that split rows (`SPLIT`) or of whole rows (`ctas == 1`).
+///
+/// # Safety
+/// As for [`allreduce_rmsnorm_ll`]; `begun` is this block's, `sh` and
+/// `words` its shared arrays ([`norm_shared`], [`norm_cluster_words`]).
+#[inline(always)]
+unsafe fn ll_rows<E: Element, const N: usize, const SPLIT: bool>(
+    p: &NormArgs,
+    rank: u32,
+    begun: PushBegun,
+    ctas: u32,
+    sh: SharedWords,
+    words: SharedWords,
+) {
+    let a = &p.base;
+    let (rows, hidden) = (p.rows, p.hidden);
     let res_in = pick::<N>(&p.residual, rank);
     let gamma = pick::<N>(&p.gamma, rank);
+    // The cluster of this block (a cluster of other than a power of two
+    // CTAs is refused below: the shifts are then unused).
+    let shift = if SPLIT { ctas.trailing_zeros() } else { 0 };
+    let cluster = block_idx_x() >> shift;
     // Gamma and the first row's residual: in flight during the sends.
     // SAFETY: enabled only where `rows * hidden == count`, the size of the
     // buffers the launch contract gives.
     let mut rr = unsafe {
-        RegRows::prepare::<E>(
+        RegRows::<SPLIT>::prepare::<E>(
             rows.checked_mul(hidden) == Some(a.count),
+            Some(words),
             res_in,
             gamma,
-            block_idx_x() as u64,
+            cluster as u64,
             rows,
             hidden,
         )
@@ -1349,7 +1581,6 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     // SAFETY: own signal; every thread of the block, after the bar.sync.
     unsafe { commit_epoch(own_sig, block, nblocks, tid, nthreads, epoch) };
 
-    let sh = norm_shared();
     let mut sums = LlSums::<N> {
         own_in,
         zone: own_sig + a.landing_offset,
@@ -1368,16 +1599,18 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
         res_out,
         gamma,
         normed,
-        first: block as u64,
-        step: nblocks as u64,
+        // The cluster's rows (a cluster of one without clusters); the
+        // grid is whole clusters.
+        first: cluster as u64,
+        step: (nblocks >> shift) as u64,
         rows,
         hidden,
         eps: p.eps,
     };
     // SAFETY: every row below `rows` is inside every buffer and the zone's
     // parts (contract); `sh` is this block's shared array; `rr` is on
-    // (checked) and prepared for row `block`.
-    unsafe { reg_rows::<E, _>(&mut sums, &mut rr, &b, sh) };
+    // (checked) and prepared for row `cluster`.
+    unsafe { reg_rows::<E, _, SPLIT>(&mut sums, &mut rr, &b, sh) };
 }
 
 macro_rules! ll_norm_entries {

@@ -74,6 +74,11 @@ pub struct BenchArgs {
     /// Row length for `--fused`.
     #[arg(long, default_value_t = 7168)]
     pub hidden: usize,
+    /// With `--fused`: also a `fused push_ll ctasK` row per listed cluster
+    /// size K (`Config::fused_ctas`: 1, 2, 4 or 8 CTAs per row), e.g.
+    /// `1,2,4,8`; the `fused push_ll` row is the default choice.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub fused_ctas: Vec<u32>,
 }
 
 impl Default for BenchArgs {
@@ -107,6 +112,7 @@ impl Default for BenchArgs {
             no_check: false,
             fused: false,
             hidden: 7168,
+            fused_ctas: Vec::new(),
         }
     }
 }

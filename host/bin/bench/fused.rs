@@ -185,27 +185,53 @@ fn measure_world(
     for (r, x) in b.x.iter().enumerate() {
         reg.copy_from(r, rank_stream(r), x)?;
     }
+    // A group per `--fused-ctas` size, for its `fused push_ll ctasK` row.
+    let mut split: Vec<(String, Option<PeerGroup>, Option<VirtualGroup>)> = Vec::new();
+    for &k in &args.fused_ctas {
+        let c = Config {
+            fused_ctas: Some(k),
+            ..cfg.clone()
+        };
+        let name = format!("fused push_ll ctas{k}");
+        split.push(if real {
+            (name, Some(PeerGroup::new(ctxs, c)?), None)
+        } else {
+            (name, None, Some(VirtualGroup::new(&ctxs[0], world, c)?))
+        });
+    }
     let check = || -> Result<()> {
-        match (&peer, &virt) {
-            (Some(p), _) => p.check(&streams),
-            (_, Some(v)) => v.check(&streams[0]),
-            _ => Ok(()),
+        for (_, p, v) in std::iter::once(("", &peer, &virt))
+            .chain(split.iter().map(|(n, p, v)| (n.as_str(), p, v)))
+        {
+            match (p, v) {
+                (Some(p), _) => p.check(&streams)?,
+                (_, Some(v)) => v.check(&streams[0])?,
+                _ => {}
+            }
         }
+        Ok(())
     };
-    let mut out = Vec::new();
-    for rows in ROWS {
-        let count = rows * hidden;
-        for what in [
-            "fused one_stage",
-            "fused two_stage",
-            "fused push_ll",
+    let mut whats: Vec<String> = ["fused one_stage", "fused two_stage", "fused push_ll"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    whats.extend(split.iter().map(|(n, _, _)| n.clone()));
+    whats.extend(
+        [
             "fused auto",
             "unfused",
             "allreduce",
             "allreduce push_ll",
             "fused zc",
             "allreduce zc",
-        ] {
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    let mut out = Vec::new();
+    for rows in ROWS {
+        let count = rows * hidden;
+        for what in whats.iter().map(String::as_str) {
             let mut enqueue = || -> Result<()> {
                 let Bufs {
                     x,
@@ -221,9 +247,15 @@ fn measure_world(
                 let algo = match what {
                     "fused one_stage" => AlgoChoice::OneStage,
                     "fused two_stage" => AlgoChoice::TwoStage,
-                    "fused push_ll" => AlgoChoice::PushLl,
+                    w if w.starts_with("fused push_ll") => AlgoChoice::PushLl,
                     _ => AlgoChoice::Auto,
                 };
+                // The group of the row: a `--fused-ctas` one, or the main.
+                let (peer, virt) = split
+                    .iter()
+                    .find(|(n, _, _)| n == what)
+                    .map(|(_, p, v)| (p, v))
+                    .unwrap_or((&peer, &virt));
                 if what == "fused zc" {
                     let mut rs: Vec<_> =
                         residual.iter_mut().map(|v| v.slice_mut(0..count)).collect();
