@@ -1523,10 +1523,12 @@ fn fused_cluster_case<T: Bits>(g: &Gpu, grp: &VirtualGroup, c: &NormCase, ctas: 
         "fused push_ll {:?} world {} rows {} hidden {} in clusters of {ctas}",
         c.dtype, c.world, c.rows, c.hidden
     );
-    let xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
-    let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
-    let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
-    let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+    let NormBufs {
+        xs,
+        mut rs,
+        gs,
+        mut outs,
+    } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
     let graph = {
         let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
         let xr: Vec<&_> = xv.iter().collect();
@@ -1681,10 +1683,12 @@ fn push_ll_direct_fused<T: Bits>(g: &Gpu) {
     // fused calls do not take; the host checks it all the same.)
     for (name, over_x, copies) in [("distinct", false, false), ("normed over x", true, true)] {
         let what = format!("fused push_ll {name}");
-        let mut xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
-        let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
-        let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
-        let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+        let NormBufs {
+            mut xs,
+            mut rs,
+            gs,
+            mut outs,
+        } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
         let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
         let gr: Vec<&_> = gv.iter().collect();
         let graph = {
@@ -2706,6 +2710,35 @@ impl NormCase {
 
 const NORM_EPS: f32 = 1e-6;
 
+/// One fused case's device buffers on the suite's GPU: every rank's x,
+/// residual and gamma uploaded, and its normed output poisoned.
+struct NormBufs<T: Bits> {
+    xs: Vec<CudaSlice<T>>,
+    rs: Vec<CudaSlice<T>>,
+    gs: Vec<CudaSlice<T>>,
+    outs: Vec<CudaSlice<T>>,
+}
+
+impl<T: Bits> NormBufs<T> {
+    /// `data`: (inputs, residuals, gammas) per rank, as [`NormCase::data`]
+    /// gives them; `count` elements per output.
+    #[allow(clippy::type_complexity)]
+    fn upload(
+        g: &Gpu,
+        world: usize,
+        count: usize,
+        data: (&[Vec<u32>], &[Vec<u32>], &[Vec<u32>]),
+    ) -> Self {
+        let (x, res, gam) = data;
+        NormBufs {
+            xs: x.iter().map(|b| upload::<T>(g, b)).collect(),
+            rs: res.iter().map(|b| upload::<T>(g, b)).collect(),
+            gs: gam.iter().map(|b| upload::<T>(g, b)).collect(),
+            outs: (0..world).map(|_| poisoned::<T>(g, count)).collect(),
+        }
+    }
+}
+
 fn check_norm_rank(
     what: &str,
     dtype: Dtype,
@@ -2756,10 +2789,12 @@ fn norm_virtual<T: Bits>(
         c.hidden,
         if in_place { " in place" } else { "" }
     );
-    let mut xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
-    let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
-    let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
-    let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+    let NormBufs {
+        mut xs,
+        mut rs,
+        gs,
+        mut outs,
+    } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
     let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
     let gr: Vec<&_> = gv.iter().collect();
     let used = {
@@ -2802,10 +2837,12 @@ fn push_ll_refused_virtual<T: Bits>(g: &Gpu, grp: &VirtualGroup, c: &NormCase) {
         c.dtype, c.world, c.rows, c.hidden
     );
     let (x, res, gam, _) = c.data();
-    let xs: Vec<CudaSlice<T>> = x.iter().map(|b| upload::<T>(g, b)).collect();
-    let mut rs: Vec<CudaSlice<T>> = res.iter().map(|b| upload::<T>(g, b)).collect();
-    let gs: Vec<CudaSlice<T>> = gam.iter().map(|b| upload::<T>(g, b)).collect();
-    let mut outs: Vec<CudaSlice<T>> = (0..c.world).map(|_| poisoned::<T>(g, count)).collect();
+    let NormBufs {
+        xs,
+        mut rs,
+        gs,
+        mut outs,
+    } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
     let r = {
         let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
         let xr: Vec<&_> = xv.iter().collect();
