@@ -606,11 +606,11 @@ impl Collective {
                     world: self.world,
                     virtual_ranks: member.ranks == Ranks::All,
                 };
-                let (fits, capacity) = self.co_resident(member, entry, &plan)?;
+                let (fits, capacity, counted_at) = self.co_resident(member, entry, &plan)?;
                 if !fits {
                     return Err(Error::NotCoResident {
                         blocks: plan.blocks * grid_y,
-                        threads: plan.threads,
+                        threads: counted_at,
                         capacity,
                     });
                 }
@@ -664,22 +664,27 @@ impl Collective {
     }
 
     /// Whether `plan`'s blocks of `entry` can all be resident at once on
-    /// `member`'s device, and how many blocks can. Blocks without clusters
+    /// `member`'s device, how many blocks can, and at how many threads per
+    /// block that was counted. Blocks without clusters
     /// are counted at the configured block size (a launch of at most as
     /// many threads fits wherever that one does); clusters at the plan's
     /// block size, whole clusters. Both cached when the group was made
     /// ([`Kernels::prepare`]): no driver call here, as a call inside a
     /// graph capture must not make one.
-    fn co_resident(&self, member: &Member, entry: Entry, plan: &NormPlan) -> Result<(bool, u32)> {
+    fn co_resident(
+        &self,
+        member: &Member,
+        entry: Entry,
+        plan: &NormPlan,
+    ) -> Result<(bool, u32, u32)> {
         let grid_y = match member.ranks {
             Ranks::All => self.world as u32,
             Ranks::One(_) => 1,
         };
         if plan.ctas <= 1 {
-            let capacity = member
-                .kernels
-                .co_resident_blocks(entry, self.config.threads_per_block)?;
-            return Ok((plan.blocks * grid_y <= capacity, capacity));
+            let threads = self.config.threads_per_block;
+            let capacity = member.kernels.co_resident_blocks(entry, threads)?;
+            return Ok((plan.blocks * grid_y <= capacity, capacity, threads));
         }
         let clusters = member
             .kernels
@@ -687,6 +692,7 @@ impl Collective {
         Ok((
             plan.blocks / plan.ctas * grid_y <= clusters,
             clusters * plan.ctas,
+            plan.threads,
         ))
     }
 
