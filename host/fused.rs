@@ -60,9 +60,10 @@ impl NormPlan {
     /// (`ScratchTooSmall`), push_ll rows that do not fit its landing zone
     /// (`ZoneTooSmall`); push_ll rows off the register path
     /// (`NormPushLlShape`: the fused push_ll kernel has no other path).
-    /// `Auto` runs push_ll where the allreduce of the same bytes would, the
-    /// rows fit its zone and take the register path, else one-stage or
-    /// two-stage as the allreduce would. `max_ctas`: the most CTAs over
+    /// `Auto` runs push_ll where the allreduce of the same bytes would (and
+    /// for one rank, where no allreduce runs: push_ll then sends and waits
+    /// for nothing), the rows fit its zone and take the register path, else
+    /// one-stage or two-stage as the allreduce would. `max_ctas`: the most CTAs over
     /// which push_ll may split a row ([`split_ctas`]): [`NORM_MAX_CTAS`]
     /// where every device of the group runs thread-block clusters (sm_90
     /// and newer), 1 where not (or where fewer must do: co-residency).
@@ -97,6 +98,7 @@ impl NormPlan {
         let per_thread = NORM_CHUNK * norm_reg_slots(dtype.lanes());
         let algorithm = match choice {
             AlgoChoice::Auto => match config.choose(AlgoChoice::Auto, total, world, link) {
+                _ if world <= 1 && total <= ll_zone && reg_path => Algorithm::PushLl,
                 Algorithm::TwoStage => Algorithm::TwoStage,
                 Algorithm::PushLl if total <= ll_zone && reg_path => Algorithm::PushLl,
                 _ => Algorithm::OneStage,
@@ -221,8 +223,8 @@ pub const AUTO_WHOLE_ROW_THREADS_W2: usize = 256;
 /// power of two; no more than `cap` and `max_ctas` allow). Else, from the
 /// fused bench on one H200 (virtual ranks, docs/benchmarks.md): 8 or 4
 /// CTAs, the most that keep every row's cluster within `cap` blocks and at
-/// least [`AUTO_MIN_CTA_CHUNKS`] chunks per CTA; none for one rank, for two
-/// ranks with rows that one block of at most
+/// least [`AUTO_MIN_CTA_CHUNKS`] chunks per CTA; none for one rank (no
+/// gain measured), for two ranks with rows that one block of at most
 /// [`AUTO_WHOLE_ROW_THREADS_W2`] threads holds, and for 2 CTAs (which lost
 /// to whole rows in most shapes).
 pub fn split_ctas(
@@ -814,6 +816,27 @@ mod tests {
         // Rows beyond push_ll's zone: Auto falls back to the pull ones.
         let big = plan(&c, 64, 7168, AlgoChoice::Auto).expect("plan");
         assert_ne!(big.algorithm, Algorithm::PushLl);
+        // One rank: no allreduce runs, and push_ll sends and waits for
+        // nothing, so Auto takes it where the rows fit its zone and the
+        // register path; else one-stage, as the allreduce.
+        let one_rank = |rows, hidden| {
+            NormPlan::new(
+                &c,
+                Dtype::Bf16,
+                rows,
+                hidden,
+                1,
+                Link::SameDevice,
+                AlgoChoice::Auto,
+                Inputs::Staged,
+                1,
+            )
+            .expect("plan")
+            .algorithm
+        };
+        assert_eq!(one_rank(3, 7168), Algorithm::PushLl);
+        assert_eq!(one_rank(3, 7), Algorithm::OneStage, "off the register path");
+        assert_eq!(one_rank(64, 7168), Algorithm::OneStage, "beyond the zone");
         let tiny = Config::with_max_bytes(256);
         assert!(matches!(
             plan(&tiny, 1, 4096, AlgoChoice::OneStage),

@@ -320,9 +320,10 @@ pub const fn norm_reg_path(lanes: usize, hidden: u64, threads: u64) -> bool {
 pub const NORM_MAX_CTAS: usize = 8;
 
 /// Words of the fused push_ll kernel's cluster exchange in each CTA's shared
-/// memory: per row parity, the CTA's partial sum of squares and whether
-/// any of its waits failed.
-pub const NORM_CLUSTER_WORDS: usize = 4;
+/// memory: per row parity and per CTA of the cluster, that CTA's partial
+/// sum of squares and whether any of its waits failed (each CTA stores its
+/// pair into every CTA's words).
+pub const NORM_CLUSTER_WORDS: usize = 2 * NORM_MAX_CTAS * 2;
 
 /// Chunks each CTA takes when a row of `chunks` chunks is split over a
 /// cluster of `ctas` CTAs (a power of two, at most [`NORM_MAX_CTAS`]; the
@@ -386,7 +387,7 @@ const _: () = {
     assert!(offset_of!(NormArgs, rows) == 440);
     assert!(offset_of!(NormArgs, eps) == 456);
     assert!(NORM_MAX_CHUNKS * 4 == 16384);
-    assert!(NORM_CLUSTER_WORDS * 4 == 16);
+    assert!(NORM_CLUSTER_WORDS * 4 == 128);
 };
 
 /// Element types the kernels reduce.

@@ -114,17 +114,17 @@ pub fn norm_shared() -> SharedWords {
 
 /// The block's [`crate::abi::NORM_CLUSTER_WORDS`] f32 words of static shared
 /// memory through which the CTAs of a thread-block cluster exchange a fused
-/// row's partial sums (read by the other CTAs with
-/// [`SharedWords::load_cluster`]). Declared as [`norm_shared`] is: once, at
-/// the top of the kernel that calls this.
+/// row's partial sums (stored into by the other CTAs with
+/// [`SharedWords::store2_cluster`]). Declared as [`norm_shared`] is: once,
+/// at the top of the kernel that calls this.
 #[inline(always)]
 pub fn norm_cluster_words() -> SharedWords {
     let p: u32;
     // SAFETY: declares the block's shared array and takes its address; no
-    // memory access. 16 bytes = NORM_CLUSTER_WORDS * 4 (asserted in abi.rs).
+    // memory access. 128 bytes = NORM_CLUSTER_WORDS * 4 (asserted in abi.rs).
     unsafe {
         asm!(
-            "{{ .shared .align 16 .b8 p2p_norm_cluster[16];",
+            "{{ .shared .align 16 .b8 p2p_norm_cluster[128];",
             "mov.u32 {p}, p2p_norm_cluster; }}",
             p = out(reg32) p,
             options(nostack, nomem));
@@ -156,11 +156,12 @@ pub fn cluster_shape() -> (u32, u32) {
 
 /// `barrier.cluster.arrive` then `barrier.cluster.wait`: every thread of
 /// every CTA of the cluster must call it (`.aligned`: the warp converged).
-/// The arrive releases this thread's earlier shared-memory writes and the
-/// wait acquires the other CTAs' (the PTX defaults), so after it a CTA
-/// reads what another wrote before it, and no CTA has gone past it while
-/// another has not reached it (so none exits while another still reads
-/// its shared memory, read before its own arrive).
+/// The arrive releases this thread's earlier shared-memory writes (its
+/// stores into other CTAs' shared memory included) and the wait acquires
+/// the other CTAs' (the PTX defaults), so after it a CTA reads what another
+/// stored before it, and no CTA has gone past it while another has not
+/// reached it (so every store into a CTA's shared memory issued before the
+/// barrier is done when that CTA passes it, and it may then exit).
 #[cfg(target_feature = "sm_90")]
 #[inline(always)]
 pub fn cluster_sync() {
@@ -234,29 +235,47 @@ impl SharedWords {
         v
     }
 
-    /// Word `i` of CTA `cta`'s copy of these words in this block's
-    /// thread-block cluster (`mapa` then `ld.shared::cluster.f32`; `cta`
-    /// may be this block's own rank).
+    /// Words `i` and `i + 1` (`ld.shared.v2.f32`).
     ///
     /// # Safety
-    /// Word `i` lies inside the shared array; `cta` is below the cluster's
-    /// CTA count; that CTA wrote the word before a [`cluster_sync`] this
-    /// thread has passed, writes it again only after a later one, and has
-    /// not exited.
+    /// `i` is even and word `i + 1` lies inside the shared array (16-byte
+    /// aligned), and no thread (of this CTA or, for words other CTAs store
+    /// into, of any CTA of the cluster) writes them between the barrier
+    /// that ordered their last store before this load and this load.
+    #[inline(always)]
+    pub unsafe fn load2(self, i: u32) -> (f32, f32) {
+        let (a, b): (f32, f32);
+        // SAFETY: an aligned 8-byte shared-memory load inside the array
+        // (caller contract).
+        unsafe {
+            asm!("ld.shared.v2.f32 {{{a}, {b}}}, [{p}];", p = in(reg32) self.0 + 4 * i,
+                a = out(reg32) a, b = out(reg32) b, options(nostack, readonly));
+        }
+        (a, b)
+    }
+
+    /// Stores `a` and `b` into words `i` and `i + 1` of CTA `cta`'s copy
+    /// of these words in this block's thread-block cluster (`mapa` then
+    /// `st.shared::cluster.v2.f32`; `cta` may be this block's own rank).
+    ///
+    /// # Safety
+    /// `i` is even and word `i + 1` lies inside the shared array; `cta` is
+    /// below the cluster's CTA count and has not passed the
+    /// [`cluster_sync`] that follows this store (so it has not exited); no
+    /// thread of any CTA reads or writes these words of that CTA between
+    /// the cluster barrier before this store and the one after it.
     #[cfg(target_feature = "sm_90")]
     #[inline(always)]
-    pub unsafe fn load_cluster(self, i: u32, cta: u32) -> f32 {
-        let v: f32;
-        // SAFETY: a distributed shared-memory load inside the array of a
-        // live CTA of the cluster (caller contract).
+    pub unsafe fn store2_cluster(self, i: u32, cta: u32, a: f32, b: f32) {
+        // SAFETY: an aligned 8-byte distributed shared-memory store inside
+        // the array of a live CTA of the cluster (caller contract).
         unsafe {
-            asm!("{{ .reg .b32 a;",
-                "mapa.shared::cluster.u32 a, {p}, {c};",
-                "ld.shared::cluster.f32 {v}, [a]; }}",
-                p = in(reg32) self.0 + 4 * i, c = in(reg32) cta, v = out(reg32) v,
-                options(nostack, readonly));
+            asm!("{{ .reg .b32 r;",
+                "mapa.shared::cluster.u32 r, {p}, {c};",
+                "st.shared::cluster.v2.f32 [r], {{{a}, {b}}}; }}",
+                p = in(reg32) self.0 + 4 * i, c = in(reg32) cta, a = in(reg32) a, b = in(reg32) b,
+                options(nostack));
         }
-        v
     }
 
     /// Stores `v` into word `i` (`st.shared.f32`).

@@ -720,6 +720,8 @@ struct RegRows<const SPLIT: bool> {
 struct ClusterRow {
     /// CTAs of the cluster.
     ctas: u32,
+    /// This CTA's rank in the cluster.
+    cta: u32,
     /// CTAs that hold chunks of a row: `ceil(chunks / range)`.
     used: u32,
     /// This CTA's [`crate::abi::NORM_CLUSTER_WORDS`] exchange words (`None`
@@ -732,76 +734,79 @@ impl ClusterRow {
         self.ctas > 1
     }
 
-    /// The row's total from this CTA's partial `local` (every thread holds
-    /// it), and whether any CTA's wait failed (`failed`: this thread's;
-    /// `can_fail`: whether the source's waits can fail at all):
-    /// the block's vote, thread 0 leaves both in this CTA's words of
-    /// parity `half`, a cluster barrier, then each warp reads the `used`
-    /// CTAs' words, adds the partials by [`warp_tree`] (lane c holds CTA
-    /// c's; an absent one adds +0.0, which changes no partial, as in the
-    /// tree) and ORs the votes. The words of a parity are written again
-    /// two rows later, after the next row's barrier, which no CTA passes
-    /// before every CTA has read these.
+    /// The row's total and whether any CTA's wait failed, from this CTA's
+    /// group sums of its range in `sh` (`chunks` partials, stored before the
+    /// block's barrier that gave `failed`, the block's vote): warp 0 adds
+    /// them ([`groups_total`]) and its lane c stores the CTA's partial and
+    /// vote into CTA c's words of parity `half`, slot of this CTA; a
+    /// cluster barrier; then each warp reads, in its own CTA's words, the
+    /// `used` CTAs' pairs, adds the partials by [`warp_tree`] (lane c holds
+    /// CTA c's; an absent one adds +0.0, which changes no partial, as in
+    /// the tree) and ORs the votes.
+    ///
+    /// Every store into a CTA's words is issued before a cluster barrier
+    /// that CTA then passes, so no CTA reads another's shared memory and
+    /// none needs to wait for the others before it exits. The words of a
+    /// parity are stored again two rows later, after the next row's
+    /// barrier, which no CTA passes before every CTA has read these.
     ///
     /// # Safety
     /// Active; every thread of every CTA of the cluster calls it, for the
-    /// same rows in the same order.
+    /// same rows in the same order; `sh` as for [`groups_total`].
     #[inline(always)]
-    unsafe fn combine(&self, local: f32, can_fail: bool, failed: bool, half: usize) -> (f32, bool) {
+    unsafe fn combine(
+        &self,
+        sh: SharedWords,
+        chunks: u32,
+        failed: bool,
+        half: usize,
+    ) -> (f32, bool) {
         #[cfg(target_feature = "sm_90")]
         {
             let Some(words) = self.words else {
                 // Active only with a split, which gives the words.
                 trap()
             };
-            let failed = can_fail && sync_threads_or(failed);
-            let at = 2 * half as u32;
-            if thread_idx_x() == 0 {
-                // SAFETY: words `at`, `at + 1` < NORM_CLUSTER_WORDS; no
-                // other CTA reads them until the barrier below, and none
-                // still reads this parity's from two rows ago (above).
-                unsafe {
-                    words.store(at, local);
-                    words.store(at + 1, if failed { 1.0 } else { 0.0 });
+            let parity = (half * crate::abi::NORM_MAX_CTAS * 2) as u32;
+            let tid = thread_idx_x();
+            if tid < WARP {
+                // SAFETY: forwarded (`sh`); warp 0, converged.
+                let local = unsafe { groups_total(sh, chunks) };
+                if tid < self.ctas {
+                    // SAFETY: words parity + 2 cta, + 1 < NORM_CLUSTER_WORDS
+                    // (cta < ctas <= NORM_MAX_CTAS); CTA `tid` < ctas is
+                    // alive until the barrier below, and no CTA reads this
+                    // parity's words between the last barrier and it
+                    // (above).
+                    unsafe {
+                        words.store2_cluster(
+                            parity + 2 * self.cta,
+                            tid,
+                            local,
+                            if failed { 1.0 } else { 0.0 },
+                        )
+                    };
                 }
             }
             cluster_sync();
-            let lane = thread_idx_x() % WARP;
+            let lane = tid % WARP;
             let (v, f) = if lane < self.used {
-                // SAFETY: CTA `lane` < used <= ctas wrote both words before
-                // the barrier and has not exited (it waits at a later one).
-                unsafe {
-                    (
-                        words.load_cluster(at, lane),
-                        words.load_cluster(at + 1, lane),
-                    )
-                }
+                // SAFETY: CTA `lane` < used <= ctas stored both words
+                // before the barrier above; none stores them again before
+                // the next row's barrier.
+                unsafe { words.load2(parity + 2 * lane) }
             } else {
                 (0.0, 0.0)
             };
             let total = shfl_lane0(warp_tree(v, lane));
-            (total, can_fail && warp_any(f != 0.0))
+            (total, warp_any(f != 0.0))
         }
         #[cfg(not(target_feature = "sm_90"))]
         {
             // Never active before sm_90 (`cluster_shape` is (1, 0)).
-            let _ = (local, can_fail, failed, half);
+            let _ = (sh, chunks, failed, half);
             trap()
         }
-    }
-
-    /// Before the CTA exits (or stops taking rows): a last cluster barrier,
-    /// so that no CTA leaves while another still reads its words.
-    ///
-    /// # Safety
-    /// Active; every thread of every CTA of the cluster calls it once,
-    /// after the same rows.
-    #[inline(always)]
-    unsafe fn finish(&self) {
-        #[cfg(target_feature = "sm_90")]
-        cluster_sync();
-        #[cfg(not(target_feature = "sm_90"))]
-        trap()
     }
 }
 
@@ -876,6 +881,7 @@ impl<const SPLIT: bool> RegRows<SPLIT> {
             half: 0,
             cluster: ClusterRow {
                 ctas,
+                cta,
                 used: if SPLIT {
                     (all + range - 1) >> range.trailing_zeros()
                 } else {
@@ -991,22 +997,46 @@ impl<const SPLIT: bool> RegRows<SPLIT> {
                 )
             };
         }
-        // SAFETY: chunks <= REG_SLOTS * blockDim.x (`on`); this row's half
-        // of `sh` was last read two rows ago, before the previous row's
-        // `bar.sync`s.
-        let local =
-            unsafe { tree_sum_regs(part, chunks, sh.offset((self.half * REG_HALF_WORDS) as u32)) };
+        // This row's half of `sh`: last read two rows ago, before the
+        // previous row's barrier.
+        let shh = sh.offset((self.half * REG_HALF_WORDS) as u32);
+        // SAFETY: chunks <= REG_SLOTS * blockDim.x (`on`); the half is free
+        // (above).
+        unsafe { group_sums_regs(part, chunks, shh) };
+        // This barrier orders the group sums before they are read, and is
+        // the block's vote on failed waits where they can fail.
+        let failed = if S::CAN_FAIL {
+            sync_threads_or(sums.failed())
+        } else {
+            sync_threads();
+            false
+        };
         // Split: the CTAs' partials (the strides of the range size and up)
-        // and their votes; else the block votes after the row.
+        // and their votes; else this block's.
         let (total, leave) = if SPLIT && self.cluster.active() {
             // SAFETY: active; every thread of the cluster's CTAs takes the
-            // same rows (the cluster's), in order.
-            unsafe {
-                self.cluster
-                    .combine(local, S::CAN_FAIL, sums.failed(), self.half)
-            }
+            // same rows (the cluster's), in order; the group sums are in
+            // `shh`, before the barrier above.
+            unsafe { self.cluster.combine(shh, chunks, failed, self.half) }
         } else {
-            (local, false)
+            // Warp 0 adds the group sums and writes the total to word 0;
+            // after a second barrier every thread reads it. (Every warp
+            // adding them itself, with no second barrier, measured slower
+            // for blocks of 14 warps: docs/benchmarks.md.) Word 0 is group
+            // 0's, read only by warp 0 before it is written.
+            if thread_idx_x() < WARP {
+                // SAFETY: the group sums are in `shh`, before the barrier
+                // above; warp 0, converged.
+                let t = unsafe { groups_total(shh, chunks) };
+                if thread_idx_x() == 0 {
+                    // SAFETY: word 0 of this row's half.
+                    unsafe { shh.store(0, t) };
+                }
+            }
+            sync_threads();
+            // SAFETY: word 0, final after the bar.sync; no thread writes
+            // this half again before the next row's barriers.
+            (unsafe { shh.load(0) }, failed)
         };
         self.half ^= 1;
         let inv = 1.0 / sqrt_rn(total / b.hidden as f32 + b.eps);
@@ -1067,8 +1097,8 @@ unsafe fn norm_rows<E: Element, S: RowSums>(
 
 /// The block's rows on the register path ([`RegRows::row`]). A source that
 /// can fail ends the loop after a row where any thread's wait failed (a
-/// `bar.red.or` vote; split over a cluster, any thread's of any CTA). A
-/// split CTA passes a last cluster barrier before it stops.
+/// `bar.red.or` vote; split over a cluster, any thread's of any CTA, so
+/// every CTA of the cluster leaves after the same row).
 ///
 /// # Safety
 /// As for [`norm_rows`], with `rr.on`.
@@ -1085,21 +1115,10 @@ unsafe fn reg_rows<E: Element, S: RowSums, const SPLIT: bool>(
         sums.for_row(row);
         // SAFETY: forwarded caller contract; `sh` holds NORM_MAX_CHUNKS
         // = 2 * REG_HALF_WORDS words.
-        let leave = unsafe { rr.row::<E, S>(sums, b, row, next, sh) };
-        let leave = if SPLIT && rr.cluster.active() {
-            leave
-        } else {
-            S::CAN_FAIL && sync_threads_or(sums.failed())
-        };
-        if leave {
+        if unsafe { rr.row::<E, S>(sums, b, row, next, sh) } {
             break;
         }
         row = next;
-    }
-    if SPLIT && rr.cluster.active() {
-        // SAFETY: active; every CTA of the cluster took the same rows and
-        // left after the same one (the votes are the cluster's).
-        unsafe { rr.cluster.finish() };
     }
 }
 
@@ -1188,17 +1207,19 @@ unsafe fn tree_sum(sh: SharedWords, chunks: u32) -> f32 {
     unsafe { groups_sum(sh, chunks) }
 }
 
-/// [`tree_sum`] from partials held in registers: chunk `tid + j *
-/// blockDim.x` in `part[j]` (the slot [`tree_sum`] gives it), so the
-/// strides 1..16 need no shared memory and no `bar.sync` before them.
+/// The strides 1..16 of [`tree_sum`] from partials held in registers:
+/// chunk `tid + j * blockDim.x` in `part[j]` (the slot [`tree_sum`] gives
+/// it), so they need no shared memory and no `bar.sync` before them. Each
+/// group's sum goes to its first chunk's word of `sh`; the caller's
+/// barrier then orders them before [`groups_total`].
 ///
 /// # Safety
 /// `chunks <= REG_SLOTS * blockDim.x`; `sh` holds at least `chunks` words
-/// that no thread of the block still reads (the caller alternates halves
-/// between rows); every thread of the block calls it; `blockDim.x` is a
-/// multiple of 32.
+/// that no thread of the block reads until that barrier (the caller
+/// alternates halves between rows); every lane of the warp calls it
+/// together; `blockDim.x` is a multiple of 32.
 #[inline(always)]
-unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u32, sh: SharedWords) -> f32 {
+unsafe fn group_sums_regs(part: [f32; REG_SLOTS], chunks: u32, sh: SharedWords) {
     let tid = thread_idx_x();
     let nthreads = block_dim_x();
     let lane = tid % WARP;
@@ -1215,50 +1236,56 @@ unsafe fn tree_sum_regs(part: [f32; REG_SLOTS], chunks: u32, sh: SharedWords) ->
         }
         j += 1;
     }
-    // SAFETY: as for `tree_sum`.
-    unsafe { groups_sum(sh, chunks) }
 }
 
-/// The strides of 32 chunks and more, and the result to every thread:
-/// after a `bar.sync`, warp 0 takes the group sums (group g's at word 32 g)
-/// in quarters, then writes the total to word 0; after a second `bar.sync`
-/// every thread reads it.
+/// The strides of 32 chunks and more, and the result to every thread (the
+/// two-pass path): after a `bar.sync`, every warp adds the group sums
+/// itself ([`groups_total`]: the same adds on the same words, so the same
+/// bits in every thread), with no second barrier; the caller's row ends
+/// in a barrier before `sh` is written again.
 ///
 /// # Safety
 /// The group sums of `chunks` partials are in `sh` (written before this
-/// call, by this block); every thread of the block calls it.
+/// call, by this block); every thread of the block calls it; no thread
+/// writes `sh` again before a later barrier.
 #[inline(always)]
 unsafe fn groups_sum(sh: SharedWords, chunks: u32) -> f32 {
-    let tid = thread_idx_x();
-    let lane = tid % WARP;
     sync_threads();
-    // Strides of 32 chunks and more: groups g = 32 j + lane (j = 0..4) in
-    // warp 0, whose sums sit at word 32 g.
+    // SAFETY: the group sums are in `sh`, before the barrier above.
+    unsafe { groups_total(sh, chunks) }
+}
+
+/// The strides of 32 chunks and more, in the calling warp: it reads the
+/// group sums of `chunks` partials (group g's at word 32 g) in quarters,
+/// adds each quarter by [`warp_tree`] and the quarters by
+/// [`combine_quarters`], and gives lane 0's total to every lane.
+///
+/// # Safety
+/// The group sums are in `sh`, stored by this block before a barrier this
+/// thread has passed, and no thread stores into them before a later
+/// barrier that this thread reaches after this call; every lane of the
+/// warp calls it together.
+#[inline(always)]
+unsafe fn groups_total(sh: SharedWords, chunks: u32) -> f32 {
+    let lane = thread_idx_x() % WARP;
     let groups = chunks.div_ceil(WARP);
-    if tid < 32 {
-        let mut a = [0f32; QUARTERS];
-        let mut j = 0;
-        while j < QUARTERS {
-            let g = WARP * j as u32 + lane;
-            // SAFETY: g < groups: word 32 g < chunks is inside `sh`.
-            let v = if g < groups {
-                unsafe { sh.load(WARP * g) }
-            } else {
-                0.0
-            };
-            a[j] = warp_tree(v, lane);
-            j += 1;
-        }
-        if lane == 0 {
-            // Strides of 32 and 64 groups (1024 and 2048 chunks).
-            let total = combine_quarters(a, groups);
-            // SAFETY: word 0 of `sh`.
-            unsafe { sh.store(0, total) };
-        }
+    let mut a = [0f32; QUARTERS];
+    let mut j = 0;
+    // Only the quarters that hold groups (one for rows of up to 1024
+    // chunks): `combine_quarters` adds no other.
+    while j < QUARTERS && WARP * (j as u32) < groups {
+        let g = WARP * j as u32 + lane;
+        // SAFETY: g < groups: word 32 g < chunks is inside `sh`.
+        let v = if g < groups {
+            unsafe { sh.load(WARP * g) }
+        } else {
+            0.0
+        };
+        a[j] = warp_tree(v, lane);
+        j += 1;
     }
-    sync_threads();
-    // SAFETY: word 0, final after the bar.sync.
-    unsafe { sh.load(0) }
+    // Strides of 32 and 64 groups (1024 and 2048 chunks), lane 0's.
+    shfl_lane0(combine_quarters(a, groups))
 }
 
 /// Rounded sums of row `row` into `dst` (two-stage, stage 1), by every
