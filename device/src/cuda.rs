@@ -91,45 +91,44 @@ pub fn shfl_down(v: f32, delta: u32) -> f32 {
     r
 }
 
+/// Declares a static shared array of the block (`$name`, `$bytes` bytes,
+/// 16-byte aligned) in a nested scope of the calling kernel and gives its
+/// shared-window address as [`SharedWords`]. Each function that expands it
+/// is called once, at the top of the kernel, uniform across the block.
+macro_rules! shared_words {
+    ($name:literal, $bytes:literal) => {{
+        let p: u32;
+        // SAFETY: declares the block's shared array and takes its address;
+        // no memory access.
+        unsafe {
+            asm!(
+                concat!("{{ .shared .align 16 .b8 ", $name, "[", $bytes, "];"),
+                concat!("mov.u32 {p}, ", $name, "; }}"),
+                p = out(reg32) p,
+                options(nostack, nomem));
+        }
+        SharedWords(p)
+    }};
+}
+
 /// The block's [`crate::abi::NORM_MAX_CHUNKS`] f32 words of static shared
 /// memory for the fused RMSNorm's sum of squares, as a shared-window
 /// address: accessed with `ld.shared` / `st.shared` (a generic volatile
-/// access compiles to a strong system-scope load or store). Declared in a
-/// nested scope of the kernel that calls this (once, at the top of the
-/// kernel, uniform across the block).
+/// access compiles to a strong system-scope load or store).
+/// 16 KiB = NORM_MAX_CHUNKS * 4 (asserted in abi.rs).
 #[inline(always)]
 pub fn norm_shared() -> SharedWords {
-    let p: u32;
-    // SAFETY: declares the block's shared array and takes its address; no
-    // memory access. 16 KiB = NORM_MAX_CHUNKS * 4 (asserted in abi.rs).
-    unsafe {
-        asm!(
-            "{{ .shared .align 16 .b8 p2p_norm_partials[16384];",
-            "mov.u32 {p}, p2p_norm_partials; }}",
-            p = out(reg32) p,
-            options(nostack, nomem));
-    }
-    SharedWords(p)
+    shared_words!("p2p_norm_partials", "16384")
 }
 
 /// The block's [`crate::abi::NORM_CLUSTER_WORDS`] f32 words of static shared
 /// memory through which the CTAs of a thread-block cluster exchange a fused
 /// row's partial sums (stored into by the other CTAs with
-/// [`SharedWords::store2_cluster`]). Declared as [`norm_shared`] is: once,
-/// at the top of the kernel that calls this.
+/// [`SharedWords::store2_cluster`]). 128 bytes = NORM_CLUSTER_WORDS * 4
+/// (asserted in abi.rs).
 #[inline(always)]
 pub fn norm_cluster_words() -> SharedWords {
-    let p: u32;
-    // SAFETY: declares the block's shared array and takes its address; no
-    // memory access. 128 bytes = NORM_CLUSTER_WORDS * 4 (asserted in abi.rs).
-    unsafe {
-        asm!(
-            "{{ .shared .align 16 .b8 p2p_norm_cluster[128];",
-            "mov.u32 {p}, p2p_norm_cluster; }}",
-            p = out(reg32) p,
-            options(nostack, nomem));
-    }
-    SharedWords(p)
+    shared_words!("p2p_norm_cluster", "128")
 }
 
 /// The CTAs of this block's thread-block cluster (`%cluster_nctarank`) and
