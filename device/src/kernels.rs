@@ -734,7 +734,6 @@ macro_rules! push_entries {
         }
     )* };
 }
-use push_entries;
 
 mod norm;
 mod pull;
