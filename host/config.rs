@@ -7,6 +7,7 @@ use crate::abi::{
     PACK_BYTES,
 };
 use crate::ll::LL_PACK_BYTES;
+use crate::ptx::ImageChoice;
 pub use crate::thresholds::Thresholds;
 use std::time::Duration;
 
@@ -146,6 +147,11 @@ pub struct Config {
     /// row and the rows ([`crate::fused::split_ctas`]); `Some(1)`: one block
     /// per row.
     pub fused_ctas: Option<u32>,
+    /// Which image of the embedded kernels the group loads: `Auto` (the
+    /// default) the build's cubin for the device where there is one, so
+    /// no JIT compilation; `Ptx` always the PTX. Same bits either way;
+    /// ranks of one group may differ.
+    pub kernel_image: ImageChoice,
 }
 
 impl Default for Config {
@@ -161,6 +167,7 @@ impl Default for Config {
             push_two_stage_max_bytes: 4 << 20,
             nccl_above: None,
             fused_ctas: None,
+            kernel_image: ImageChoice::Auto,
             thresholds: Thresholds::default(),
         }
     }

@@ -95,7 +95,7 @@ impl PeerGroup {
         let mut kernels = Vec::with_capacity(world);
         let mut own = Vec::with_capacity(world);
         for (r, ctx) in contexts.iter().enumerate() {
-            let k = Kernels::for_context(ctx)?;
+            let k = Kernels::for_context(ctx, config.kernel_image)?;
             k.prepare(world, false, config.threads_per_block)?;
             kernels.push(k);
             own.push((r, RankBuffers::new(ctx, &config, world)?));

@@ -98,7 +98,7 @@ impl ProcessGroup {
         let (rank, world) = (exchange.rank(), exchange.world());
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
-        let kernels = Kernels::for_context(ctx)?;
+        let kernels = Kernels::for_context(ctx, config.kernel_image)?;
         kernels.prepare(world, false, config.threads_per_block)?;
         let own = RankBuffers::new(ctx, &config, world)?;
         let rv = ipc::rendezvous(ctx, exchange, &config, &own)?;

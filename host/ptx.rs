@@ -22,7 +22,94 @@ pub struct PtxModule {
     pub compute_capability: (u32, u32),
     /// The PTX text (NUL-free; append a NUL for `cuModuleLoadData`).
     pub ptx: &'static str,
+    /// The same kernels as SASS for exactly `arch` (an ELF cubin from
+    /// `ptxas -arch=<arch>` at build time; `None` where the build found no
+    /// ptxas). A device of the same major and no lower minor compute
+    /// capability runs it as it is ([`PtxModule::runs_sass_on`]), so loading
+    /// takes no JIT compilation (tens of seconds for the PTX of this
+    /// module). Starts 16-byte aligned.
+    pub cubin: Option<&'static [u8]>,
 }
+
+impl PtxModule {
+    /// Whether this module's cubin runs on a device of compute capability
+    /// `cc`: SASS runs on its own major version at the same or a higher
+    /// minor (sm_80 SASS on 8.6, never on 9.0).
+    pub fn runs_sass_on(&self, cc: (u32, u32)) -> bool {
+        self.cubin.is_some()
+            && cc.0 == self.compute_capability.0
+            && cc.1 >= self.compute_capability.1
+    }
+
+    /// What a device of compute capability `cc` loads under
+    /// [`ImageChoice::Auto`], unless the driver refuses the cubin:
+    /// "SASS sm_90" or "PTX sm_90 (JIT)".
+    pub fn describe_on(&self, cc: (u32, u32)) -> String {
+        if self.runs_sass_on(cc) {
+            format!("SASS {}", self.arch)
+        } else {
+            format!("PTX {} (JIT)", self.arch)
+        }
+    }
+}
+
+/// Which image of the embedded kernels a group loads ([`crate::Config::kernel_image`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ImageChoice {
+    /// The cubin where this build has one that runs on the device
+    /// ([`PtxModule::runs_sass_on`]) and the driver accepts it; the PTX
+    /// otherwise. Same bits either way: every floating-point operation in
+    /// the PTX names its rounding, so the assembler fuses none of them.
+    #[default]
+    Auto,
+    /// Always the PTX, JIT-compiled by the driver when the module loads.
+    Ptx,
+}
+
+/// The image a loaded module came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadedImage {
+    /// The embedded cubin of the module's architecture.
+    Sass,
+    /// The PTX, JIT-compiled by the driver, and why not the cubin.
+    Ptx(PtxBecause),
+}
+
+/// Why a module was loaded from its PTX.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PtxBecause {
+    /// [`ImageChoice::Ptx`] asked for it.
+    Asked,
+    /// This build embeds no cubins (no ptxas was found when it was built).
+    NoCubin,
+    /// The device's compute capability cannot run the nearest cubin
+    /// (another major version: the PTX is compiled forward).
+    OtherArch,
+    /// The driver refused the cubin, with this error.
+    Refused(String),
+}
+
+impl std::fmt::Display for LoadedImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoadedImage::Sass => f.write_str("SASS (embedded cubin)"),
+            LoadedImage::Ptx(PtxBecause::Asked) => f.write_str("PTX, JIT-compiled (asked for)"),
+            LoadedImage::Ptx(PtxBecause::NoCubin) => {
+                f.write_str("PTX, JIT-compiled (this build has no cubins: no ptxas at build time)")
+            }
+            LoadedImage::Ptx(PtxBecause::OtherArch) => {
+                f.write_str("PTX, JIT-compiled (no cubin for this architecture)")
+            }
+            LoadedImage::Ptx(PtxBecause::Refused(e)) => {
+                write!(f, "PTX, JIT-compiled (the driver refused the cubin: {e})")
+            }
+        }
+    }
+}
+
+/// Keeps an embedded image at an alignment the driver's ELF reader accepts.
+#[repr(C, align(16))]
+struct Aligned<T: ?Sized>(T);
 
 /// Registers and spills of one entry, from `ptxas -v` at build time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -39,12 +39,24 @@ pub fn find_ptxas(crate_root: &Path) -> Option<PathBuf> {
 /// Assembles `ptx_file` for `arch` (e.g. "sm_90") with `-v` and returns the
 /// per-entry report. An assembler error is returned with its message.
 pub fn assemble(ptxas: &Path, ptx_file: &Path, arch: &str) -> Result<Vec<KernelResources>, String> {
+    let discard = Path::new(if cfg!(windows) { "NUL" } else { "/dev/null" });
+    assemble_into(ptxas, ptx_file, arch, discard)
+}
+
+/// [`assemble`], keeping the assembled image (a cubin: SASS for exactly
+/// `arch`) at `cubin`.
+pub fn assemble_into(
+    ptxas: &Path,
+    ptx_file: &Path,
+    arch: &str,
+    cubin: &Path,
+) -> Result<Vec<KernelResources>, String> {
     let out = Command::new(ptxas)
         .arg(format!("-arch={arch}"))
         .arg("-v")
         .arg(ptx_file)
         .arg("-o")
-        .arg(if cfg!(windows) { "NUL" } else { "/dev/null" })
+        .arg(cubin)
         .output()
         .map_err(|e| format!("could not run {}: {e}", ptxas.display()))?;
     let text =

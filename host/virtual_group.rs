@@ -60,7 +60,7 @@ impl VirtualGroup {
             thresholds: thresholds::resolve(&config.thresholds, ctx, Link::SameDevice, world)?,
             ..config
         };
-        let kernels = Kernels::for_context(ctx)?;
+        let kernels = Kernels::for_context(ctx, config.kernel_image)?;
         kernels.prepare(world, true, config.threads_per_block)?;
         let own = (0..world)
             .map(|r| Ok((r, RankBuffers::new(ctx, &config, world)?)))

@@ -8,6 +8,7 @@
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use p2p_allreduce::abi::{self, Algorithm, BarrierKind, Dtype};
+use p2p_allreduce::ptx::{ImageChoice, LoadedImage, PtxBecause};
 use p2p_allreduce::reference::{self, values};
 use p2p_allreduce::validate::{self, Bits};
 use p2p_allreduce::{
@@ -28,6 +29,7 @@ struct Gpu {
 fn main() {
     let cases: &[Case] = &[
         ("smoke_sm_ptx_loads_and_runs", smoke),
+        ("kernel_images_sass_and_jit_ptx_agree", kernel_images),
         ("sweep_dtypes_worlds_lengths_algorithms", sweep),
         ("property_random_cases", property),
         (
@@ -306,6 +308,100 @@ fn smoke(g: &Gpu) {
         "  smoke: 2 virtual ranks x 1000 f32 summed correctly; out[3] = {}",
         g.stream.clone_dtoh(&outs[0]).expect("dtoh")[3]
     );
+}
+
+/// The embedded cubin is what a default group runs on this device where the
+/// build has one for it (a refusal by the driver fails here, loudly), and a
+/// group that asks for the PTX (JIT-compiled: tens of seconds) gives the
+/// same bits: every algorithm at a few lengths, and the fused kernels.
+fn kernel_images(g: &Gpu) {
+    let m = driver::module_for_device(&g.ctx).expect("module");
+    let info = driver::device_info(&g.ctx).expect("device info");
+    let default_group = group(g, 2);
+    let auto = driver::Kernels::for_context(&g.ctx, ImageChoice::Auto).expect("kernels");
+    if m.runs_sass_on(info.compute_capability) {
+        assert_eq!(
+            auto.image(),
+            &LoadedImage::Sass,
+            "this build has a cubin for {} and the device is cc {:?}",
+            m.arch,
+            info.compute_capability
+        );
+    } else {
+        assert!(matches!(auto.image(), LoadedImage::Ptx(_)));
+    }
+    println!("  default image: {}", auto.image());
+    drop(default_group);
+    drop(auto);
+    let t0 = Instant::now();
+    let fresh = driver::Kernels::load(&g.ctx, ImageChoice::Auto).expect("kernels");
+    println!(
+        "  {} loaded in {:.2} s",
+        fresh.image(),
+        t0.elapsed().as_secs_f64()
+    );
+    drop(fresh);
+    let t0 = Instant::now();
+    let jit = VirtualGroup::new(
+        &g.ctx,
+        3,
+        Config {
+            kernel_image: ImageChoice::Ptx,
+            ..Config::with_max_bytes(256 << 10)
+        },
+    )
+    .expect("VirtualGroup::new with the PTX");
+    let ptx = driver::Kernels::for_context(&g.ctx, ImageChoice::Ptx).expect("kernels");
+    assert_eq!(ptx.image(), &LoadedImage::Ptx(PtxBecause::Asked));
+    println!("  PTX module loaded in {:.1} s", t0.elapsed().as_secs_f64());
+    let mut n = 0;
+    for dtype in Dtype::ALL {
+        for algo in Algorithm::ALL {
+            for (k, len) in [1usize, 4099, 65_537].into_iter().enumerate() {
+                let spec = Spec {
+                    dtype,
+                    world: 3,
+                    len,
+                    algo,
+                    registered: k == 1,
+                    graph: false,
+                    seed: 77 + n,
+                };
+                run_case(g, &jit, spec);
+                n += 1;
+            }
+        }
+    }
+    for (dtype, hidden, rows) in [
+        (Dtype::Bf16, 7168, 3),
+        (Dtype::F32, 7, 5),
+        (Dtype::F16, 4096, 2),
+    ] {
+        let c = NormCase {
+            dtype,
+            world: 3,
+            rows,
+            hidden,
+            seed: 900 + n,
+        };
+        for algo in [AlgoChoice::OneStage, AlgoChoice::TwoStage, AlgoChoice::Auto] {
+            match dtype {
+                Dtype::F32 => norm_virtual::<f32>(g, &jit, &c, algo, false),
+                Dtype::F16 => norm_virtual::<half::f16>(g, &jit, &c, algo, false),
+                Dtype::Bf16 => norm_virtual::<half::bf16>(g, &jit, &c, algo, false),
+            };
+            n += 1;
+        }
+        if takes_push_ll(dtype, hidden) {
+            match dtype {
+                Dtype::F32 => norm_virtual::<f32>(g, &jit, &c, AlgoChoice::PushLl, true),
+                Dtype::F16 => norm_virtual::<half::f16>(g, &jit, &c, AlgoChoice::PushLl, true),
+                Dtype::Bf16 => norm_virtual::<half::bf16>(g, &jit, &c, AlgoChoice::PushLl, true),
+            };
+            n += 1;
+        }
+    }
+    println!("  {n} cases bit-exact on the JIT-compiled PTX");
 }
 
 /// Lengths around every boundary: empty, sub-pack, pack multiples +-1, one

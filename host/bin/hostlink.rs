@@ -16,7 +16,7 @@ use p2p_allreduce::driver::{DeviceAlloc, HostMapped, Kernels};
 use p2p_allreduce::error::Context as _;
 use p2p_allreduce::measure::{self, Timing};
 use p2p_allreduce::plan::blocks_for;
-use p2p_allreduce::ptx::Entry;
+use p2p_allreduce::ptx::{Entry, ImageChoice};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -109,7 +109,7 @@ fn measure_all(
     args: &HostlinkArgs,
 ) -> p2p_allreduce::Result<Vec<HostRow>> {
     let stream = ctx.new_stream().during("cuStreamCreate")?;
-    let kernels = Kernels::for_context(ctx)?;
+    let kernels = Kernels::for_context(ctx, ImageChoice::Auto)?;
     let max = args.maxbytes.next_multiple_of(16);
     let host = HostMapped::new(ctx, max)?;
     let dev_a = DeviceAlloc::zeroed(ctx, max)?;

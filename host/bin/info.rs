@@ -38,7 +38,7 @@ fn print_ptx(list_kernels: bool) {
         Some(path) => println!("register/spill numbers: from `ptxas -v` at build time ({path})"),
         None => println!(
             "register/spill numbers: none: ptxas was not available at build time, so the PTX was \
-             not assembled here (the driver JIT-compiles it on first use)"
+             not assembled here and no SASS is embedded (the driver JIT-compiles the PTX on first use)"
         ),
     }
     let entries = Entry::all().len();
@@ -48,8 +48,8 @@ fn print_ptx(list_kernels: bool) {
         entries
     );
     println!(
-        "  {:<8} {:>5} {:>10} {:>8} {:>13} {:>12} {:>12}",
-        "arch", "cc", "PTX", "entries", "registers", "spill st/ld", "stack frame"
+        "  {:<8} {:>5} {:>10} {:>10} {:>8} {:>13} {:>12} {:>12}",
+        "arch", "cc", "PTX", "SASS", "entries", "registers", "spill st/ld", "stack frame"
     );
     for m in ptx::MODULES {
         let n_entries = m.ptx.matches(".entry ").count();
@@ -69,10 +69,12 @@ fn print_ptx(list_kernels: bool) {
             )
         };
         println!(
-            "  {:<8} {:>5} {:>10} {:>8} {:>13} {:>12} {:>12}",
+            "  {:<8} {:>5} {:>10} {:>10} {:>8} {:>13} {:>12} {:>12}",
             m.arch,
             format!("{}.{}", m.compute_capability.0, m.compute_capability.1),
             fmt_bytes(m.ptx.len() as u64),
+            m.cubin
+                .map_or("-".to_string(), |c| fmt_bytes(c.len() as u64)),
             n_entries,
             regs,
             spill,
@@ -287,7 +289,7 @@ fn print_auto_tables(ctxs: &[Arc<cudarc::driver::CudaContext>]) {
 
 fn print_gpu(info: &DeviceInfo, ctx: &Arc<cudarc::driver::CudaContext>) {
     let ptx = match driver::module_for_device(ctx) {
-        Ok(m) => format!("PTX {}", m.arch),
+        Ok(m) => m.describe_on(info.compute_capability),
         Err(e) => format!("no usable PTX: {e}"),
     };
     println!(

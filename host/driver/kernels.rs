@@ -4,7 +4,7 @@
 use super::{module_for_device, record_drop_error};
 use crate::abi::{LaunchArgs, NormArgs};
 use crate::error::{Context as _, Result};
-use crate::ptx::{Entry, PtxModule};
+use crate::ptx::{Entry, ImageChoice, LoadedImage, PtxBecause, PtxModule};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -15,6 +15,7 @@ pub struct Kernels {
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
     pub ptx: &'static PtxModule,
+    image: LoadedImage,
     functions: Mutex<HashMap<Entry, usize>>,
     /// Co-resident block capacity per (entry, threads): a fixed property of
     /// the kernel and device, asked on every virtual launch.
@@ -63,17 +64,19 @@ unsafe impl Send for Kernels {}
 // SAFETY: as above; the function cache is behind a Mutex.
 unsafe impl Sync for Kernels {}
 
-/// Modules already loaded, per context: loading means JIT-compiling the PTX,
-/// so groups on the same context share one module. Weak, so the module is
-/// unloaded when the last group using it is dropped.
-static LOADED: Mutex<Vec<(usize, std::sync::Weak<Kernels>)>> = Mutex::new(Vec::new());
+/// Modules already loaded, per context and image choice: loading the PTX
+/// means JIT-compiling it, so groups on the same context share one module.
+/// Weak, so the module is unloaded when the last group using it is dropped.
+type LoadedKey = (usize, ImageChoice);
+static LOADED: Mutex<Vec<(LoadedKey, std::sync::Weak<Kernels>)>> = Mutex::new(Vec::new());
 
 impl Kernels {
-    /// The module for `ctx`, loaded once and shared.
-    pub fn for_context(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
+    /// The module for `ctx` from the image `choice` names, loaded once and
+    /// shared.
+    pub fn for_context(ctx: &Arc<CudaContext>, choice: ImageChoice) -> Result<Arc<Self>> {
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
         loaded.retain(|(_, w)| w.strong_count() > 0);
-        let key = ctx.cu_ctx() as usize;
+        let key = (ctx.cu_ctx() as usize, choice);
         if let Some(k) = loaded
             .iter()
             .find(|(c, _)| *c == key)
@@ -81,26 +84,63 @@ impl Kernels {
         {
             return Ok(k);
         }
-        let k = Arc::new(Self::load(ctx)?);
+        let k = Arc::new(Self::load(ctx, choice)?);
         loaded.push((key, Arc::downgrade(&k)));
         Ok(k)
     }
 
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+    /// Loads the module for `ctx` (not shared; see [`Kernels::for_context`]):
+    /// the cubin where `choice` allows it and it runs on the device, else
+    /// the PTX. A cubin the driver refuses falls back to the PTX, and
+    /// [`Kernels::image`] says why.
+    pub fn load(ctx: &Arc<CudaContext>, choice: ImageChoice) -> Result<Self> {
         let ptx = module_for_device(ctx)?;
         ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .during("cuDeviceGetAttribute(compute capability)")?;
+        let because = match (choice, ptx.cubin) {
+            (ImageChoice::Ptx, _) => PtxBecause::Asked,
+            (ImageChoice::Auto, None) => PtxBecause::NoCubin,
+            (ImageChoice::Auto, Some(_)) if !ptx.runs_sass_on((major as u32, minor as u32)) => {
+                PtxBecause::OtherArch
+            }
+            (ImageChoice::Auto, Some(cubin)) => {
+                // SAFETY: `cubin` is an ELF image embedded in this binary
+                // ('static, 16-byte aligned), alive for the whole call.
+                match unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) } {
+                    Ok(module) => return Ok(Self::new(ctx, module, ptx, LoadedImage::Sass)),
+                    Err(e) => PtxBecause::Refused(e.to_string()),
+                }
+            }
+        };
         let src = CString::new(ptx.ptx).expect("embedded PTX has no NUL byte");
         // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
         let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }
             .during("cuModuleLoadData")?;
-        Ok(Kernels {
+        Ok(Self::new(ctx, module, ptx, LoadedImage::Ptx(because)))
+    }
+
+    fn new(
+        ctx: &Arc<CudaContext>,
+        module: sys::CUmodule,
+        ptx: &'static PtxModule,
+        image: LoadedImage,
+    ) -> Self {
+        Kernels {
             ctx: ctx.clone(),
             module,
             ptx,
+            image,
             functions: Mutex::new(HashMap::new()),
             capacity: Mutex::new(HashMap::new()),
             cluster_capacity: Mutex::new(HashMap::new()),
-        })
+        }
+    }
+
+    /// The image this module was loaded from.
+    pub fn image(&self) -> &LoadedImage {
+        &self.image
     }
 
     /// Launches `entry` with one by-value [`LaunchArgs`] on `stream`, with

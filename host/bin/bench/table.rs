@@ -9,7 +9,7 @@ use p2p_allreduce::driver;
 use p2p_allreduce::validate::algo_name;
 use std::sync::Arc;
 
-/// "GPU 0 NVIDIA H200 (cc 9.0, 132 SMs), PTX sm_90".
+/// "GPU 0 NVIDIA H200 (cc 9.0, 132 SMs), SASS sm_90".
 pub(super) fn describe(ctx: &Arc<CudaContext>) -> String {
     let dev = match driver::device_info(ctx) {
         Ok(i) => format!(
@@ -18,10 +18,11 @@ pub(super) fn describe(ctx: &Arc<CudaContext>) -> String {
         ),
         Err(e) => format!("GPU {} ({e})", ctx.ordinal()),
     };
-    let ptx = driver::module_for_device(ctx)
-        .map(|m| m.arch)
-        .unwrap_or("?");
-    format!("{dev}, PTX {ptx}")
+    let image = match (driver::module_for_device(ctx), ctx.compute_capability()) {
+        (Ok(m), Ok((major, minor))) => m.describe_on((major as u32, minor as u32)),
+        _ => "no kernels".to_string(),
+    };
+    format!("{dev}, {image}")
 }
 
 pub(super) fn header(devices: &str, mode: &str, args: &BenchArgs, sizes: &[usize]) {
