@@ -138,14 +138,17 @@ pub struct Config {
     /// `None` (the default) never hands over: NCCL's results are not
     /// bit-identical to the determinism contract.
     pub nccl_above: Option<usize>,
-    /// CTAs over which the fused push_ll ([`crate::NormPlan`]) splits each
+    /// CTAs over which the fused push_ll ([`crate::fused::NormPlan`]) splits each
     /// row: a thread-block cluster of 1, 2, 4 or 8 (at most
     /// [`NORM_MAX_CTAS`]) CTAs, each taking an aligned range of the row's
     /// chunks, so a row's bytes go through as many SMs. Same bits for every
     /// value (docs/numerics.md). Clusters need sm_90 or newer: on older
     /// devices rows are never split. `None` (the default): chosen from the
     /// row and the rows ([`crate::fused::split_ctas`]); `Some(1)`: one block
-    /// per row.
+    /// per row. An explicit value holds for every call: a cluster takes its
+    /// rows one after another, so at many rows a large cluster keeps fewer
+    /// rows in flight and can be several times slower than whole rows
+    /// (docs/benchmarks.md), where `None` would not split.
     pub fused_ctas: Option<u32>,
     /// Which image of the embedded kernels the group loads: `Auto` (the
     /// default) the build's cubin for the device where there is one, so
