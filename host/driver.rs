@@ -71,17 +71,23 @@ pub struct DeviceInfo {
     pub total_mem: usize,
 }
 
-pub fn device_info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
+/// The device's compute capability, e.g. `(9, 0)`.
+pub fn compute_capability(ctx: &Arc<CudaContext>) -> Result<(u32, u32)> {
     let (major, minor) = ctx
         .compute_capability()
         .during("cuDeviceGetAttribute(compute capability)")?;
+    Ok((major as u32, minor as u32))
+}
+
+pub fn device_info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
+    let compute_capability = compute_capability(ctx)?;
     let sms = ctx
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .during("cuDeviceGetAttribute(multiprocessors)")?;
     Ok(DeviceInfo {
         ordinal: ctx.ordinal(),
         name: ctx.name().during("cuDeviceGetName")?,
-        compute_capability: (major as u32, minor as u32),
+        compute_capability,
         multiprocessors: sms as u32,
         total_mem: ctx.total_mem().during("cuDeviceTotalMem")?,
     })
@@ -89,10 +95,7 @@ pub fn device_info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
 
 /// The embedded PTX this device would run.
 pub fn module_for_device(ctx: &Arc<CudaContext>) -> Result<&'static PtxModule> {
-    let (major, minor) = ctx
-        .compute_capability()
-        .during("cuDeviceGetAttribute(compute capability)")?;
-    let (major, minor) = (major as u32, minor as u32);
+    let (major, minor) = compute_capability(ctx)?;
     ptx::module_for((major, minor)).ok_or_else(|| Error::NoPtxForDevice {
         major,
         minor,

@@ -41,11 +41,26 @@ impl PtxModule {
             && cc.1 >= self.compute_capability.1
     }
 
+    /// What a device of compute capability `cc` loads under `choice`: this
+    /// module's cubin (unless the driver refuses it), or why the PTX.
+    pub fn cubin_for(
+        &self,
+        cc: (u32, u32),
+        choice: ImageChoice,
+    ) -> std::result::Result<&'static [u8], PtxBecause> {
+        match (choice, self.cubin) {
+            (ImageChoice::Ptx, _) => Err(PtxBecause::Asked),
+            (ImageChoice::Auto, None) => Err(PtxBecause::NoCubin),
+            (ImageChoice::Auto, Some(_)) if !self.runs_sass_on(cc) => Err(PtxBecause::OtherArch),
+            (ImageChoice::Auto, Some(cubin)) => Ok(cubin),
+        }
+    }
+
     /// What a device of compute capability `cc` loads under
     /// [`ImageChoice::Auto`], unless the driver refuses the cubin:
     /// "SASS sm_90" or "PTX sm_90 (JIT)".
     pub fn describe_on(&self, cc: (u32, u32)) -> String {
-        if self.runs_sass_on(cc) {
+        if self.cubin_for(cc, ImageChoice::Auto).is_ok() {
             format!("SASS {}", self.arch)
         } else {
             format!("PTX {} (JIT)", self.arch)

@@ -183,5 +183,18 @@ fn cubins_are_sass_of_their_arch() {
         assert!(m.runs_sass_on((major, minor + 9)));
         assert!(!m.runs_sass_on((major + 1, 0)));
         assert!(minor == 0 || !m.runs_sass_on((major, minor - 1)));
+        use p2p_allreduce::ptx::{ImageChoice, PtxBecause};
+        assert_eq!(
+            m.cubin_for(m.compute_capability, ImageChoice::Auto),
+            Ok(cubin)
+        );
+        assert_eq!(
+            m.cubin_for(m.compute_capability, ImageChoice::Ptx),
+            Err(PtxBecause::Asked)
+        );
+        assert_eq!(
+            m.cubin_for((major + 1, 0), ImageChoice::Auto),
+            Err(PtxBecause::OtherArch)
+        );
     }
 }

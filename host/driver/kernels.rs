@@ -1,7 +1,7 @@
 //! The kernel module loaded into a context: entry lookups, occupancy,
 //! launches. Every call binds the module's context first.
 
-use super::{module_for_device, record_drop_error};
+use super::{compute_capability, module_for_device, record_drop_error};
 use crate::abi::{LaunchArgs, NormArgs};
 use crate::error::{Context as _, Result};
 use crate::ptx::{Entry, ImageChoice, LoadedImage, PtxBecause, PtxModule};
@@ -95,17 +95,10 @@ impl Kernels {
     /// [`Kernels::image`] says why.
     pub fn load(ctx: &Arc<CudaContext>, choice: ImageChoice) -> Result<Self> {
         let ptx = module_for_device(ctx)?;
+        let cc = compute_capability(ctx)?;
         ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .during("cuDeviceGetAttribute(compute capability)")?;
-        let because = match (choice, ptx.cubin) {
-            (ImageChoice::Ptx, _) => PtxBecause::Asked,
-            (ImageChoice::Auto, None) => PtxBecause::NoCubin,
-            (ImageChoice::Auto, Some(_)) if !ptx.runs_sass_on((major as u32, minor as u32)) => {
-                PtxBecause::OtherArch
-            }
-            (ImageChoice::Auto, Some(cubin)) => {
+        let because = match ptx.cubin_for(cc, choice) {
+            Ok(cubin) => {
                 // SAFETY: `cubin` is an ELF image embedded in this binary
                 // ('static, 16-byte aligned), alive for the whole call.
                 match unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) } {
@@ -113,6 +106,7 @@ impl Kernels {
                     Err(e) => PtxBecause::Refused(e.to_string()),
                 }
             }
+            Err(because) => because,
         };
         let src = CString::new(ptx.ptx).expect("embedded PTX has no NUL byte");
         // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.

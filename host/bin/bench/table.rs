@@ -18,8 +18,11 @@ pub(super) fn describe(ctx: &Arc<CudaContext>) -> String {
         ),
         Err(e) => format!("GPU {} ({e})", ctx.ordinal()),
     };
-    let image = match (driver::module_for_device(ctx), ctx.compute_capability()) {
-        (Ok(m), Ok((major, minor))) => m.describe_on((major as u32, minor as u32)),
+    let image = match (
+        driver::module_for_device(ctx),
+        driver::compute_capability(ctx),
+    ) {
+        (Ok(m), Ok(cc)) => m.describe_on(cc),
         _ => "no kernels".to_string(),
     };
     format!("{dev}, {image}")
