@@ -6,12 +6,14 @@ use crate::abi::{
     norm_reg_path, norm_reg_slots, norm_split_range, Algorithm, Dtype, LaunchArgs, NormArgs,
     BUFFER_ALIGN, MAX_RANKS, NORM_CHUNK, NORM_MAX_CTAS, NORM_MAX_HIDDEN,
 };
-use crate::checks::{check_aligned, check_count};
+use crate::checks::{by_rank, check_aligned, check_count};
 use crate::collective::{disjoint, stage, Collective, Member};
+use crate::element::DeviceElement;
 use crate::error::{Error, Result};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Inputs, Link};
 use crate::ptx::{Entry, Op};
+use crate::registered::RegisteredBuffers;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use std::sync::Arc;
 
@@ -312,27 +314,6 @@ pub(crate) fn norm_shape(
 }
 
 impl NormPtrs {
-    /// The pointers of a call, listed by rank; the residual is updated in
-    /// place (`residual_out == residual`).
-    pub(crate) fn in_place_residual(
-        inputs: &[u64],
-        residual: &[u64],
-        gamma: &[u64],
-        normed: &[u64],
-    ) -> Self {
-        use crate::checks::by_rank;
-        let residual = by_rank(residual.iter().copied());
-        NormPtrs {
-            inputs: by_rank(inputs.iter().copied()),
-            residual,
-            residual_out: residual,
-            gamma: by_rank(gamma.iter().copied()),
-            normed: by_rank(normed.iter().copied()),
-        }
-    }
-}
-
-impl NormPtrs {
     /// The pointers of one rank's call (a `ProcessGroup` rank), residual
     /// updated in place.
     pub(crate) fn one_rank(
@@ -357,41 +338,210 @@ impl NormPtrs {
     }
 }
 
-/// Device pointers of one buffer per rank, buffer r's taken on
-/// `streams[r % streams.len()]` (a stream per rank, or one for every rank),
-/// with the guards that order them on those streams: keep it until the
-/// work that uses the pointers is enqueued.
-pub(crate) struct RankPtrs<'a> {
-    pub ptrs: Vec<u64>,
-    _guards: Vec<SyncOnDrop<'a>>,
+/// A multi-rank fused call's buffers, one per rank, checked (counts
+/// against the world, shapes by [`norm_shape`]) and turned into device
+/// pointers, buffer r's taken on `streams[r % streams.len()]` (a stream
+/// per rank, or one for every rank), with the guards that order them on
+/// those streams: keep it until the work that uses the pointers is
+/// enqueued. The residual is updated in place.
+pub(crate) struct NormBuffers<'a> {
+    pub rows: usize,
+    pub hidden: usize,
+    pub ptrs: NormPtrs,
+    streams: &'a [Arc<CudaStream>],
+    guards: Vec<SyncOnDrop<'a>>,
 }
 
-impl<'a> RankPtrs<'a> {
-    /// Pointers for reading.
-    pub(crate) fn of<T, B: DevicePtr<T> + 'a>(
-        bufs: impl IntoIterator<Item = &'a B>,
+impl<'a> NormBuffers<'a> {
+    /// Staged inputs, read; the normed rows go to `normed`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn staged<T, I, R, G, O>(
+        world: usize,
         streams: &'a [Arc<CudaStream>],
-    ) -> Self {
-        let (ptrs, _guards) = bufs
-            .into_iter()
-            .enumerate()
-            .map(|(r, b)| b.device_ptr(&streams[r % streams.len()]))
-            .unzip();
-        RankPtrs { ptrs, _guards }
+        inputs: &'a [&'a I],
+        residual: &'a mut [R],
+        gamma: &'a [&'a G],
+        eps: f32,
+        normed: &'a mut [O],
+    ) -> Result<Self>
+    where
+        T: DeviceElement,
+        I: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let lens = inputs.iter().map(|i| i.len()).collect();
+        let normed_lens = normed.iter().map(|o| o.len()).collect();
+        let mut b = Self::checked::<T, R, G>(
+            world,
+            streams,
+            lens,
+            Some(normed_lens),
+            residual,
+            gamma,
+            eps,
+        )?;
+        let s = b.streams;
+        b.ptrs.inputs = b.guard(
+            inputs
+                .iter()
+                .enumerate()
+                .map(|(r, x)| x.device_ptr(at(s, r))),
+        );
+        b.ptrs.normed = b.guard(
+            normed
+                .iter_mut()
+                .enumerate()
+                .map(|(r, o)| o.device_ptr_mut(at(s, r))),
+        );
+        Ok(b)
     }
 
-    /// Pointers for writing.
-    pub(crate) fn of_mut<T, B: DevicePtrMut<T>>(
-        bufs: &'a mut [B],
+    /// Staged inputs, overwritten by the normed rows.
+    pub(crate) fn in_place<T, X, R, G>(
+        world: usize,
         streams: &'a [Arc<CudaStream>],
-    ) -> Self {
-        let (ptrs, _guards) = bufs
-            .iter_mut()
-            .enumerate()
-            .map(|(r, b)| b.device_ptr_mut(&streams[r % streams.len()]))
-            .unzip();
-        RankPtrs { ptrs, _guards }
+        x: &'a mut [X],
+        residual: &'a mut [R],
+        gamma: &'a [&'a G],
+        eps: f32,
+    ) -> Result<Self>
+    where
+        T: DeviceElement,
+        X: DevicePtrMut<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+    {
+        let lens = x.iter().map(|i| i.len()).collect();
+        let mut b = Self::checked::<T, R, G>(world, streams, lens, None, residual, gamma, eps)?;
+        let s = b.streams;
+        b.ptrs.inputs = b.guard(
+            x.iter_mut()
+                .enumerate()
+                .map(|(r, x)| x.device_ptr_mut(at(s, r))),
+        );
+        b.ptrs.normed = b.ptrs.inputs;
+        Ok(b)
     }
+
+    /// The first `count` elements of each rank's registered buffer, read
+    /// where they are; the normed rows go to `normed`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn registered<T, R, G, O>(
+        world: usize,
+        streams: &'a [Arc<CudaStream>],
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        residual: &'a mut [R],
+        gamma: &'a [&'a G],
+        eps: f32,
+        normed: &'a mut [O],
+    ) -> Result<Self>
+    where
+        T: DeviceElement,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let normed_lens = normed.iter().map(|o| o.len()).collect();
+        let mut b = Self::checked::<T, R, G>(
+            world,
+            streams,
+            vec![count; world],
+            Some(normed_lens),
+            residual,
+            gamma,
+            eps,
+        )?;
+        let s = b.streams;
+        b.ptrs.inputs = by_rank((0..reg.ranks()).map(|r| reg.ptr(r)));
+        b.ptrs.normed = b.guard(
+            normed
+                .iter_mut()
+                .enumerate()
+                .map(|(r, o)| o.device_ptr_mut(at(s, r))),
+        );
+        Ok(b)
+    }
+
+    /// The checks, before any pointer is taken: one input, residual,
+    /// gamma and (unless `normed_lens` is `None`: in place) normed output
+    /// per rank (`RankCount`), then the shapes ([`norm_shape`]). Then the
+    /// residual's and gamma's pointers.
+    fn checked<T, R, G>(
+        world: usize,
+        streams: &'a [Arc<CudaStream>],
+        input_lens: Vec<usize>,
+        normed_lens: Option<Vec<usize>>,
+        residual: &'a mut [R],
+        gamma: &'a [&'a G],
+        eps: f32,
+    ) -> Result<Self>
+    where
+        T: DeviceElement,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+    {
+        for (what, n) in [
+            ("inputs", input_lens.len()),
+            ("residuals", residual.len()),
+            ("gammas", gamma.len()),
+            (
+                "normed outputs",
+                normed_lens.as_ref().map_or(world, Vec::len),
+            ),
+        ] {
+            check_count(what, n, world)?;
+        }
+        let (rows, hidden) = norm_shape(
+            T::DTYPE,
+            input_lens.into_iter(),
+            residual.iter().map(|r| r.len()),
+            gamma.iter().map(|g| g.len()),
+            normed_lens.unwrap_or_default().into_iter(),
+            eps,
+        )?;
+        let mut b = NormBuffers {
+            rows,
+            hidden,
+            ptrs: NormPtrs::default(),
+            streams,
+            guards: Vec::with_capacity(4 * world),
+        };
+        b.ptrs.residual = b.guard(
+            residual
+                .iter_mut()
+                .enumerate()
+                .map(|(r, x)| x.device_ptr_mut(at(streams, r))),
+        );
+        b.ptrs.residual_out = b.ptrs.residual;
+        b.ptrs.gamma = b.guard(
+            gamma
+                .iter()
+                .enumerate()
+                .map(|(r, g)| g.device_ptr(at(streams, r))),
+        );
+        Ok(b)
+    }
+
+    /// Keeps the guards of `bufs` and lists their pointers by rank.
+    fn guard(&mut self, bufs: impl Iterator<Item = (u64, SyncOnDrop<'a>)>) -> [u64; MAX_RANKS] {
+        by_rank(bufs.map(|(p, g)| {
+            self.guards.push(g);
+            p
+        }))
+    }
+
+    /// The streams of the call, by rank (`streams[0]` for all when one).
+    pub(crate) fn stream_refs(&self) -> Vec<&'a Arc<CudaStream>> {
+        self.streams.iter().collect()
+    }
+}
+
+/// Rank `r`'s stream: its own, or the one stream of every rank.
+fn at(streams: &[Arc<CudaStream>], r: usize) -> &Arc<CudaStream> {
+    &streams[r % streams.len()]
 }
 
 /// Where a fused call's inputs are read from.

@@ -8,7 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
-use crate::fused::{norm_shape, NormInputs, NormPtrs, RankPtrs};
+use crate::fused::{NormBuffers, NormInputs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -241,40 +241,19 @@ impl PeerGroup {
         G: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        for (what, n) in [
-            ("streams", streams.len()),
-            ("inputs", inputs.len()),
-            ("residuals", residual.len()),
-            ("gammas", gamma.len()),
-            ("normed outputs", normed.len()),
-        ] {
-            check_count(what, n, self.world())?;
-        }
-        let (rows, hidden) = norm_shape(
-            T::DTYPE,
-            inputs.iter().map(|i| i.len()),
-            residual.iter().map(|r| r.len()),
-            gamma.iter().map(|g| g.len()),
-            normed.iter().map(|o| o.len()),
-            eps,
-        )?;
-        let ins = RankPtrs::of(inputs.iter().copied(), streams);
-        let res = RankPtrs::of_mut(residual, streams);
-        let gam = RankPtrs::of(gamma.iter().copied(), streams);
-        let outs = RankPtrs::of_mut(normed, streams);
-        let ptrs = NormPtrs::in_place_residual(&ins.ptrs, &res.ptrs, &gam.ptrs, &outs.ptrs);
-        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        check_count("streams", streams.len(), self.world())?;
+        let b = NormBuffers::staged(self.world(), streams, inputs, residual, gamma, eps, normed)?;
         // SAFETY: every pointer comes from a live slice or view on its
-        // rank's device holding what `norm_shape` checked, guarded until
+        // rank's device holding what `NormBuffers` checked, guarded until
         // the work is enqueued.
         unsafe {
             self.core.add_rmsnorm(
-                &refs,
+                &b.stream_refs(),
                 T::DTYPE,
-                rows,
-                hidden,
+                b.rows,
+                b.hidden,
                 eps,
-                &ptrs,
+                &b.ptrs,
                 NormInputs::Staged,
                 algo,
             )
@@ -439,35 +418,31 @@ impl PeerGroup {
         G: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        for (what, n) in [
-            ("streams", streams.len()),
-            ("residuals", residual.len()),
-            ("gammas", gamma.len()),
-            ("normed outputs", normed.len()),
-        ] {
-            check_count(what, n, self.world())?;
-        }
-        let (rows, hidden) = norm_shape(
-            T::DTYPE,
-            std::iter::repeat_n(count, self.world()),
-            residual.iter().map(|r| r.len()),
-            gamma.iter().map(|g| g.len()),
-            normed.iter().map(|o| o.len()),
+        check_count("streams", streams.len(), self.world())?;
+        let b = NormBuffers::registered(
+            self.world(),
+            streams,
+            reg,
+            count,
+            residual,
+            gamma,
             eps,
+            normed,
         )?;
-        let res = RankPtrs::of_mut(residual, streams);
-        let gam = RankPtrs::of(gamma.iter().copied(), streams);
-        let outs = RankPtrs::of_mut(normed, streams);
-        let ins: Vec<u64> = (0..reg.ranks()).map(|r| reg.ptr(r)).collect();
-        let ptrs = NormPtrs::in_place_residual(&ins, &res.ptrs, &gam.ptrs, &outs.ptrs);
-        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: residuals, gammas and outputs are live slices or views on
-        // their ranks' devices holding what `norm_shape` checked, guarded
+        // their ranks' devices holding what `NormBuffers` checked, guarded
         // until the work is enqueued; they cannot overlap the registered
         // buffers, which only `reg` owns.
         unsafe {
-            self.core
-                .add_rmsnorm_registered(&refs, reg, rows, hidden, eps, &ptrs, algo)
+            self.core.add_rmsnorm_registered(
+                &b.stream_refs(),
+                reg,
+                b.rows,
+                b.hidden,
+                eps,
+                &b.ptrs,
+                algo,
+            )
         }
     }
 

@@ -8,7 +8,7 @@ use crate::collective::{Collective, Member, RankBuffers};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
-use crate::fused::{norm_shape, NormInputs, NormPtrs, RankPtrs};
+use crate::fused::{NormBuffers, NormInputs};
 use crate::launch::Ranks;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -213,38 +213,18 @@ impl VirtualGroup {
         G: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        for (what, n) in [
-            ("inputs", inputs.len()),
-            ("residuals", residual.len()),
-            ("gammas", gamma.len()),
-            ("normed outputs", normed.len()),
-        ] {
-            check_count(what, n, self.world())?;
-        }
-        let (rows, hidden) = norm_shape(
-            T::DTYPE,
-            inputs.iter().map(|i| i.len()),
-            residual.iter().map(|r| r.len()),
-            gamma.iter().map(|g| g.len()),
-            normed.iter().map(|o| o.len()),
-            eps,
-        )?;
         let one = std::slice::from_ref(stream);
-        let ins = RankPtrs::of(inputs.iter().copied(), one);
-        let res = RankPtrs::of_mut(residual, one);
-        let gam = RankPtrs::of(gamma.iter().copied(), one);
-        let outs = RankPtrs::of_mut(normed, one);
-        let ptrs = NormPtrs::in_place_residual(&ins.ptrs, &res.ptrs, &gam.ptrs, &outs.ptrs);
+        let b = NormBuffers::staged(self.world(), one, inputs, residual, gamma, eps, normed)?;
         // SAFETY: every pointer comes from a live slice or view holding
-        // what `norm_shape` checked, guarded until the work is enqueued.
+        // what `NormBuffers` checked, guarded until the work is enqueued.
         unsafe {
             self.core.add_rmsnorm(
                 &[stream],
                 T::DTYPE,
-                rows,
-                hidden,
+                b.rows,
+                b.hidden,
                 eps,
-                &ptrs,
+                &b.ptrs,
                 NormInputs::Staged,
                 algo,
             )
@@ -268,36 +248,18 @@ impl VirtualGroup {
         R: DevicePtrMut<T>,
         G: DevicePtr<T>,
     {
-        for (what, n) in [
-            ("inputs", x.len()),
-            ("residuals", residual.len()),
-            ("gammas", gamma.len()),
-        ] {
-            check_count(what, n, self.world())?;
-        }
-        let (rows, hidden) = norm_shape(
-            T::DTYPE,
-            x.iter().map(|i| i.len()),
-            residual.iter().map(|r| r.len()),
-            gamma.iter().map(|g| g.len()),
-            std::iter::empty(),
-            eps,
-        )?;
         let one = std::slice::from_ref(stream);
-        let xs = RankPtrs::of_mut(x, one);
-        let res = RankPtrs::of_mut(residual, one);
-        let gam = RankPtrs::of(gamma.iter().copied(), one);
-        let ptrs = NormPtrs::in_place_residual(&xs.ptrs, &res.ptrs, &gam.ptrs, &xs.ptrs);
-        // SAFETY: live buffers holding what `norm_shape` checked; inputs are
-        // staged, so writing the normed rows over them is allowed.
+        let b = NormBuffers::in_place(self.world(), one, x, residual, gamma, eps)?;
+        // SAFETY: live buffers holding what `NormBuffers` checked; inputs
+        // are staged, so writing the normed rows over them is allowed.
         unsafe {
             self.core.add_rmsnorm(
                 &[stream],
                 T::DTYPE,
-                rows,
-                hidden,
+                b.rows,
+                b.hidden,
                 eps,
-                &ptrs,
+                &b.ptrs,
                 NormInputs::Staged,
                 algo,
             )
@@ -382,34 +344,16 @@ impl VirtualGroup {
         G: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        for (what, n) in [
-            ("residuals", residual.len()),
-            ("gammas", gamma.len()),
-            ("normed outputs", normed.len()),
-        ] {
-            check_count(what, n, self.world())?;
-        }
-        let (rows, hidden) = norm_shape(
-            T::DTYPE,
-            std::iter::repeat_n(count, self.world()),
-            residual.iter().map(|r| r.len()),
-            gamma.iter().map(|g| g.len()),
-            normed.iter().map(|o| o.len()),
-            eps,
-        )?;
         let one = std::slice::from_ref(stream);
-        let res = RankPtrs::of_mut(residual, one);
-        let gam = RankPtrs::of(gamma.iter().copied(), one);
-        let outs = RankPtrs::of_mut(normed, one);
-        let ins: Vec<u64> = (0..reg.ranks()).map(|r| reg.ptr(r)).collect();
-        let ptrs = NormPtrs::in_place_residual(&ins, &res.ptrs, &gam.ptrs, &outs.ptrs);
+        let b =
+            NormBuffers::registered(self.world(), one, reg, count, residual, gamma, eps, normed)?;
         // SAFETY: residuals, gammas and outputs are live slices or views
-        // holding what `norm_shape` checked, guarded until the work is
+        // holding what `NormBuffers` checked, guarded until the work is
         // enqueued; they cannot overlap the registered buffers, which only
         // `reg` owns.
         unsafe {
             self.core
-                .add_rmsnorm_registered(&[stream], reg, rows, hidden, eps, &ptrs, algo)
+                .add_rmsnorm_registered(&[stream], reg, b.rows, b.hidden, eps, &b.ptrs, algo)
         }
     }
 

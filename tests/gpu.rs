@@ -1619,31 +1619,10 @@ fn fused_cluster_case<T: Bits>(g: &Gpu, grp: &VirtualGroup, c: &NormCase, ctas: 
         "fused push_ll {:?} world {} rows {} hidden {} in clusters of {ctas}",
         c.dtype, c.world, c.rows, c.hidden
     );
-    let NormBufs {
-        xs,
-        mut rs,
-        gs,
-        mut outs,
-    } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
-    let graph = {
-        let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
-        let xr: Vec<&_> = xv.iter().collect();
-        let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
-        let gr: Vec<&_> = gv.iter().collect();
-        let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-        let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-        capture(g, || {
-            grp.allreduce_add_rmsnorm(
-                &g.stream,
-                &xr,
-                &mut rv,
-                &gr,
-                NORM_EPS,
-                &mut ov,
-                AlgoChoice::PushLl,
-            )
-        })
-    };
+    let mut bufs = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
+    let graph = capture(g, || {
+        bufs.call(grp, &g.stream, (count, c.hidden), false, AlgoChoice::PushLl)
+    });
     // One kernel node per push_ll step (rows beyond the zone take several).
     let sizes = graph_cluster_sizes(&graph);
     assert!(
@@ -1653,11 +1632,7 @@ fn fused_cluster_case<T: Bits>(g: &Gpu, grp: &VirtualGroup, c: &NormCase, ctas: 
     graph.launch().expect("graph launch");
     grp.check(&g.stream)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-    for r in 0..c.world {
-        let got_res = download(g, &rs[r], count);
-        let got_norm = download(g, &outs[r], count);
-        check_norm_rank(&what, c.dtype, r, (&got_res, &got_norm), &want[r]);
-    }
+    bufs.check(g, &what, c.dtype, count, false, &want);
 }
 
 /// Staged push_ll reads each rank's input where it is (`own_inputs`, no
@@ -1779,55 +1754,21 @@ fn push_ll_direct_fused<T: Bits>(g: &Gpu) {
     // fused calls do not take; the host checks it all the same.)
     for (name, over_x, copies) in [("distinct", false, false), ("normed over x", true, true)] {
         let what = format!("fused push_ll {name}");
-        let NormBufs {
-            mut xs,
-            mut rs,
-            gs,
-            mut outs,
-        } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
-        let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
-        let gr: Vec<&_> = gv.iter().collect();
-        let graph = {
-            let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-            if over_x {
-                let mut xv: Vec<_> = xs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-                capture(g, || {
-                    grp.allreduce_add_rmsnorm_in_place(
-                        &g.stream,
-                        &mut xv,
-                        &mut rv,
-                        &gr,
-                        NORM_EPS,
-                        AlgoChoice::PushLl,
-                    )
-                })
-            } else {
-                let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
-                let xr: Vec<&_> = xv.iter().collect();
-                let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-                capture(g, || {
-                    grp.allreduce_add_rmsnorm(
-                        &g.stream,
-                        &xr,
-                        &mut rv,
-                        &gr,
-                        NORM_EPS,
-                        &mut ov,
-                        AlgoChoice::PushLl,
-                    )
-                })
-            }
-        };
+        let mut bufs = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
+        let graph = capture(g, || {
+            bufs.call(
+                &grp,
+                &g.stream,
+                (count, c.hidden),
+                over_x,
+                AlgoChoice::PushLl,
+            )
+        });
         let nodes = graph_nodes(&graph);
         graph.launch().expect("graph launch");
         grp.check(&g.stream)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
-        for r in 0..c.world {
-            let got_res = download(g, &rs[r], count);
-            let normed_at = if over_x { &xs[r] } else { &outs[r] };
-            let got_norm = download(g, normed_at, count);
-            check_norm_rank(&what, c.dtype, r, (&got_res, &got_norm), &want[r]);
-        }
+        bufs.check(g, &what, c.dtype, count, over_x, &want);
         println!("  {what}: bit-exact, graph of {nodes} nodes");
         if copies {
             assert!(nodes > 1, "{what}: staged, but the graph has no copy node");
@@ -2833,6 +2774,54 @@ impl<T: Bits> NormBufs<T> {
             outs: (0..world).map(|_| poisoned::<T>(g, count)).collect(),
         }
     }
+
+    /// Every rank's residual out and normed rows (in `xs` when
+    /// `in_place`, else in `outs`) against the oracle's `want`.
+    fn check(
+        &self,
+        g: &Gpu,
+        what: &str,
+        dtype: Dtype,
+        count: usize,
+        in_place: bool,
+        want: &[(Vec<u32>, Vec<u32>)],
+    ) {
+        for (r, want) in want.iter().enumerate() {
+            let got_res = download(g, &self.rs[r], count);
+            let normed_at = if in_place { &self.xs[r] } else { &self.outs[r] };
+            let got_norm = download(g, normed_at, count);
+            check_norm_rank(what, dtype, r, (&got_res, &got_norm), want);
+        }
+    }
+
+    /// The fused call of `grp` on the first `count` elements of each
+    /// rank's buffers (rows of `hidden`): the normed rows into `outs`, or
+    /// over `xs` when `in_place`.
+    fn call(
+        &mut self,
+        grp: &VirtualGroup,
+        stream: &Arc<CudaStream>,
+        (count, hidden): (usize, usize),
+        in_place: bool,
+        algo: AlgoChoice,
+    ) -> p2p_allreduce::Result<Algorithm> {
+        let gv: Vec<_> = self.gs.iter().map(|s| s.slice(0..hidden)).collect();
+        let gr: Vec<&_> = gv.iter().collect();
+        let mut rv: Vec<_> = self.rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+        if in_place {
+            let mut xv: Vec<_> = self.xs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
+            grp.allreduce_add_rmsnorm_in_place(stream, &mut xv, &mut rv, &gr, NORM_EPS, algo)
+        } else {
+            let xv: Vec<_> = self.xs.iter().map(|s| s.slice(0..count)).collect();
+            let xr: Vec<&_> = xv.iter().collect();
+            let mut ov: Vec<_> = self
+                .outs
+                .iter_mut()
+                .map(|s| s.slice_mut(0..count))
+                .collect();
+            grp.allreduce_add_rmsnorm(stream, &xr, &mut rv, &gr, NORM_EPS, &mut ov, algo)
+        }
+    }
 }
 
 fn check_norm_rank(
@@ -2885,34 +2874,13 @@ fn norm_virtual<T: Bits>(
         c.hidden,
         if in_place { " in place" } else { "" }
     );
-    let NormBufs {
-        mut xs,
-        mut rs,
-        gs,
-        mut outs,
-    } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
-    let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
-    let gr: Vec<&_> = gv.iter().collect();
-    let used = {
-        let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-        if in_place {
-            let mut xv: Vec<_> = xs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-            grp.allreduce_add_rmsnorm_in_place(&g.stream, &mut xv, &mut rv, &gr, NORM_EPS, algo)
-        } else {
-            let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
-            let xr: Vec<&_> = xv.iter().collect();
-            let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-            grp.allreduce_add_rmsnorm(&g.stream, &xr, &mut rv, &gr, NORM_EPS, &mut ov, algo)
-        }
-    }
-    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut bufs = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
+    let used = bufs
+        .call(grp, &g.stream, (count, c.hidden), in_place, algo)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     grp.check(&g.stream)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-    for r in 0..c.world {
-        let got_res = download(g, &rs[r], count);
-        let got_norm = download(g, if in_place { &xs[r] } else { &outs[r] }, count);
-        check_norm_rank(&what, c.dtype, r, (&got_res, &got_norm), &want[r]);
-    }
+    bufs.check(g, &what, c.dtype, count, in_place, &want);
     used
 }
 
@@ -2933,43 +2901,22 @@ fn push_ll_refused_virtual<T: Bits>(g: &Gpu, grp: &VirtualGroup, c: &NormCase) {
         c.dtype, c.world, c.rows, c.hidden
     );
     let (x, res, gam, _) = c.data();
-    let NormBufs {
-        xs,
-        mut rs,
-        gs,
-        mut outs,
-    } = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
-    let r = {
-        let xv: Vec<_> = xs.iter().map(|s| s.slice(0..count)).collect();
-        let xr: Vec<&_> = xv.iter().collect();
-        let gv: Vec<_> = gs.iter().map(|s| s.slice(0..c.hidden)).collect();
-        let gr: Vec<&_> = gv.iter().collect();
-        let mut rv: Vec<_> = rs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-        let mut ov: Vec<_> = outs.iter_mut().map(|s| s.slice_mut(0..count)).collect();
-        grp.allreduce_add_rmsnorm(
-            &g.stream,
-            &xr,
-            &mut rv,
-            &gr,
-            NORM_EPS,
-            &mut ov,
-            AlgoChoice::PushLl,
-        )
-    };
+    let mut bufs = NormBufs::<T>::upload(g, c.world, count, (&x, &res, &gam));
+    let r = bufs.call(grp, &g.stream, (count, c.hidden), false, AlgoChoice::PushLl);
     assert!(
         matches!(r, Err(Error::NormPushLlShape { hidden, .. }) if hidden == c.hidden),
         "{what}: {r:?}"
     );
     grp.check(&g.stream)
         .unwrap_or_else(|e| panic!("{what}: the refusal left the group unhealthy: {e}"));
-    for r in 0..c.world {
+    for (r, res) in res.iter().enumerate() {
         assert_eq!(
-            download(g, &rs[r], count),
-            res[r],
+            &download(g, &bufs.rs[r], count),
+            res,
             "{what}: residual {r} changed"
         );
         assert!(
-            download(g, &outs[r], count)
+            download(g, &bufs.outs[r], count)
                 .iter()
                 .all(|&b| b == poison::<T>().to_bits32()),
             "{what}: output {r} written"
