@@ -63,6 +63,10 @@ run)
     step bench-gpus 300 "$B/p2p-allreduce" bench --gpus 0,1 -b 4K -e 64M \
       --json "$OUT/bench-gpus.json" --plot "$OUT/bench-gpus.svg"
     step bench-procs 300 "$B/p2p-allreduce" bench --procs --gpus 0,1 -b 4K -e 64M --json "$OUT/bench-procs.json"
+    # Issue 14's target: fused vs plain vs unfused, rows 1..512 of 7168
+    # bf16 on two GPUs, with each cluster size beside Auto's.
+    step bench-fused-gpus 300 "$B/p2p-allreduce" bench --fused --gpus 0,1 \
+      --fused-ctas 1,2,4,8 --json "$OUT/bench-fused-gpus.json"
   else
     echo "== two-GPU steps: not run ($ngpu GPU)"
   fi
