@@ -340,15 +340,14 @@ impl NormPtrs {
 
 /// A multi-rank fused call's buffers, one per rank, checked (counts
 /// against the world, shapes by [`norm_shape`]) and turned into device
-/// pointers, buffer r's taken on `streams[r % streams.len()]` (a stream
-/// per rank, or one for every rank), with the guards that order them on
-/// those streams: keep it until the work that uses the pointers is
-/// enqueued. The residual is updated in place.
+/// pointers (buffer r's on `streams[r % streams.len()]`: a stream per
+/// rank, or one for every rank), with the guards that order them on those
+/// streams: keep it until the work that uses the pointers is enqueued.
+/// The residual is updated in place.
 pub(crate) struct NormBuffers<'a> {
     pub rows: usize,
     pub hidden: usize,
     pub ptrs: NormPtrs,
-    streams: &'a [Arc<CudaStream>],
     guards: Vec<SyncOnDrop<'a>>,
 }
 
@@ -382,19 +381,8 @@ impl<'a> NormBuffers<'a> {
             gamma,
             eps,
         )?;
-        let s = b.streams;
-        b.ptrs.inputs = b.guard(
-            inputs
-                .iter()
-                .enumerate()
-                .map(|(r, x)| x.device_ptr(at(s, r))),
-        );
-        b.ptrs.normed = b.guard(
-            normed
-                .iter_mut()
-                .enumerate()
-                .map(|(r, o)| o.device_ptr_mut(at(s, r))),
-        );
+        b.ptrs.inputs = b.read(inputs, streams);
+        b.ptrs.normed = b.write(normed, streams);
         Ok(b)
     }
 
@@ -415,12 +403,7 @@ impl<'a> NormBuffers<'a> {
     {
         let lens = x.iter().map(|i| i.len()).collect();
         let mut b = Self::checked::<T, R, G>(world, streams, lens, None, residual, gamma, eps)?;
-        let s = b.streams;
-        b.ptrs.inputs = b.guard(
-            x.iter_mut()
-                .enumerate()
-                .map(|(r, x)| x.device_ptr_mut(at(s, r))),
-        );
+        b.ptrs.inputs = b.write(x, streams);
         b.ptrs.normed = b.ptrs.inputs;
         Ok(b)
     }
@@ -454,14 +437,8 @@ impl<'a> NormBuffers<'a> {
             gamma,
             eps,
         )?;
-        let s = b.streams;
         b.ptrs.inputs = by_rank((0..reg.ranks()).map(|r| reg.ptr(r)));
-        b.ptrs.normed = b.guard(
-            normed
-                .iter_mut()
-                .enumerate()
-                .map(|(r, o)| o.device_ptr_mut(at(s, r))),
-        );
+        b.ptrs.normed = b.write(normed, streams);
         Ok(b)
     }
 
@@ -506,42 +483,49 @@ impl<'a> NormBuffers<'a> {
             rows,
             hidden,
             ptrs: NormPtrs::default(),
-            streams,
             guards: Vec::with_capacity(4 * world),
         };
-        b.ptrs.residual = b.guard(
-            residual
-                .iter_mut()
-                .enumerate()
-                .map(|(r, x)| x.device_ptr_mut(at(streams, r))),
-        );
+        b.ptrs.residual = b.write(residual, streams);
         b.ptrs.residual_out = b.ptrs.residual;
-        b.ptrs.gamma = b.guard(
-            gamma
-                .iter()
-                .enumerate()
-                .map(|(r, g)| g.device_ptr(at(streams, r))),
-        );
+        b.ptrs.gamma = b.read(gamma, streams);
         Ok(b)
     }
 
-    /// Keeps the guards of `bufs` and lists their pointers by rank.
-    fn guard(&mut self, bufs: impl Iterator<Item = (u64, SyncOnDrop<'a>)>) -> [u64; MAX_RANKS] {
-        by_rank(bufs.map(|(p, g)| {
+    /// Pointers of `bufs` for reading, by rank (buffer r's taken on
+    /// `streams[r % streams.len()]`: its own stream, or the one stream of
+    /// every rank); keeps their guards.
+    fn read<T, B: DevicePtr<T>>(
+        &mut self,
+        bufs: &'a [&'a B],
+        streams: &'a [Arc<CudaStream>],
+    ) -> [u64; MAX_RANKS] {
+        let ptrs = bufs
+            .iter()
+            .enumerate()
+            .map(|(r, b)| b.device_ptr(&streams[r % streams.len()]));
+        self.keep(ptrs)
+    }
+
+    /// Pointers of `bufs` for writing, as [`Self::read`].
+    fn write<T, B: DevicePtrMut<T>>(
+        &mut self,
+        bufs: &'a mut [B],
+        streams: &'a [Arc<CudaStream>],
+    ) -> [u64; MAX_RANKS] {
+        let ptrs = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, b)| b.device_ptr_mut(&streams[r % streams.len()]));
+        self.keep(ptrs)
+    }
+
+    /// Keeps the guards of `ptrs` and lists the pointers by rank.
+    fn keep(&mut self, ptrs: impl Iterator<Item = (u64, SyncOnDrop<'a>)>) -> [u64; MAX_RANKS] {
+        by_rank(ptrs.map(|(p, g)| {
             self.guards.push(g);
             p
         }))
     }
-
-    /// The streams of the call, by rank (`streams[0]` for all when one).
-    pub(crate) fn stream_refs(&self) -> Vec<&'a Arc<CudaStream>> {
-        self.streams.iter().collect()
-    }
-}
-
-/// Rank `r`'s stream: its own, or the one stream of every rank.
-fn at(streams: &[Arc<CudaStream>], r: usize) -> &Arc<CudaStream> {
-    &streams[r % streams.len()]
 }
 
 /// Where a fused call's inputs are read from.

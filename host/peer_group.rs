@@ -243,12 +243,13 @@ impl PeerGroup {
     {
         check_count("streams", streams.len(), self.world())?;
         let b = NormBuffers::staged(self.world(), streams, inputs, residual, gamma, eps, normed)?;
+        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: every pointer comes from a live slice or view on its
         // rank's device holding what `NormBuffers` checked, guarded until
         // the work is enqueued.
         unsafe {
             self.core.add_rmsnorm(
-                &b.stream_refs(),
+                &refs,
                 T::DTYPE,
                 b.rows,
                 b.hidden,
@@ -429,20 +430,14 @@ impl PeerGroup {
             eps,
             normed,
         )?;
+        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: residuals, gammas and outputs are live slices or views on
         // their ranks' devices holding what `NormBuffers` checked, guarded
         // until the work is enqueued; they cannot overlap the registered
         // buffers, which only `reg` owns.
         unsafe {
-            self.core.add_rmsnorm_registered(
-                &b.stream_refs(),
-                reg,
-                b.rows,
-                b.hidden,
-                eps,
-                &b.ptrs,
-                algo,
-            )
+            self.core
+                .add_rmsnorm_registered(&refs, reg, b.rows, b.hidden, eps, &b.ptrs, algo)
         }
     }
 
