@@ -81,6 +81,56 @@ pub struct BenchArgs {
     pub fused_ctas: Vec<u32>,
 }
 
+impl BenchArgs {
+    /// The options given that this mode does not take, as a usage message,
+    /// or `None`: `--fused` sweeps rows of `--hidden` bf16 on virtual
+    /// ranks or a `PeerGroup` (no sizes, element types, algorithm list,
+    /// plot, processes, NCCL rows or per-row check), and the size sweep
+    /// has no rows (`--hidden`, `--fused-ctas`). An option that would be
+    /// ignored is refused, so no run silently measures something else
+    /// than was asked for. Values equal to the defaults count as not given.
+    pub fn unused_options(&self) -> Option<String> {
+        let d = BenchArgs::default();
+        let given: Vec<&str> = if self.fused {
+            [
+                (self.minbytes != d.minbytes, "-b/--minbytes"),
+                (self.maxbytes != d.maxbytes, "-e/--maxbytes"),
+                (self.stepfactor != d.stepfactor, "-f/--stepfactor"),
+                (self.datatype != d.datatype, "-d/--datatype"),
+                (self.algo != d.algo, "--algo"),
+                (self.plot.is_some(), "--plot"),
+                (self.procs, "--procs"),
+                (self.no_nccl, "--no-nccl"),
+                (self.no_check, "--no-check"),
+            ]
+            .into_iter()
+            .filter_map(|(on, name)| on.then_some(name))
+            .collect()
+        } else {
+            [
+                (self.hidden != d.hidden, "--hidden"),
+                (!self.fused_ctas.is_empty(), "--fused-ctas"),
+            ]
+            .into_iter()
+            .filter_map(|(on, name)| on.then_some(name))
+            .collect()
+        };
+        if given.is_empty() {
+            None
+        } else if self.fused {
+            Some(format!(
+                "{} do(es) not apply to --fused (rows 1..512 x --hidden bf16, fused vs unfused vs plain; validated by the GPU suite): leave them out",
+                given.join(", ")
+            ))
+        } else {
+            Some(format!(
+                "{} appl(y/ies) only with --fused: add --fused or leave them out",
+                given.join(", ")
+            ))
+        }
+    }
+}
+
 impl Default for BenchArgs {
     fn default() -> Self {
         BenchArgs {

@@ -90,12 +90,16 @@ pub(super) fn run_fused(args: &BenchArgs, hidden: usize) -> ExitCode {
         args.world.clone()
     };
     println!(
-        "# p2p-allreduce bench --fused: {}; {}; bf16 rows x {hidden}; time = median of {} replays of a CUDA graph of {} calls",
+        "# p2p-allreduce bench --fused: {}; {}; bf16 rows x {hidden}; {}; time = median of {} replays of a CUDA graph of {} calls",
         ctxs.iter().map(describe).collect::<Vec<_>>().join("; "),
         if real {
             format!("real ranks (PeerGroup) on GPUs {:?}", args.gpus)
         } else {
             "virtual ranks on one GPU (unfused: the per-rank add + RMSNorm kernels run one after another on the one stream)".to_string()
+        },
+        match args.max_blocks {
+            Some(b) => format!("at most {b} blocks per rank (--max-blocks)"),
+            None => "blocks per rank capped by the link".to_string(),
         },
         args.iters,
         args.per_graph
@@ -142,6 +146,7 @@ fn measure_world(
     let cfg = Config {
         push_ll_max_bytes: (64 * hidden * 4).next_multiple_of(4096),
         threads_per_block: args.threads,
+        max_blocks: args.max_blocks,
         ..Config::with_max_bytes((2 * max_rows * hidden * 2).next_multiple_of(1 << 20))
     };
     let timing = Timing {

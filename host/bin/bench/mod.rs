@@ -100,6 +100,9 @@ pub fn run(args: &BenchArgs) -> ExitCode {
     if args.algo.is_empty() || args.world.is_empty() {
         return usage_error("give at least one --algo and one --world");
     }
+    if let Some(msg) = args.unused_options() {
+        return usage_error(&msg);
+    }
     if args.fused {
         if args.hidden == 0 || args.hidden > p2p_allreduce::abi::NORM_MAX_HIDDEN {
             return usage_error(&format!(
@@ -441,6 +444,58 @@ mod tests {
         assert_eq!(sizes(6, 6, 2, 4), vec![4]);
         assert!(sizes(8192, 4096, 2, 2).is_empty());
         assert_eq!(sizes(4 << 10, 64 << 20, 2, 2).len(), 15);
+    }
+
+    #[test]
+    fn options_a_mode_does_not_take_are_refused() {
+        use clap::Parser as _;
+        let bench = |argv: &[&str]| {
+            let cli = crate::Cli::try_parse_from(["p2p-allreduce", "bench"].iter().chain(argv))
+                .expect("parses");
+            let Some(crate::Command::Bench(b)) = cli.command else {
+                panic!("not bench")
+            };
+            b
+        };
+        for ok in [
+            &[][..],
+            &["--fused"],
+            &[
+                "--fused",
+                "--gpus",
+                "0,1",
+                "--fused-ctas",
+                "1,8",
+                "--max-blocks",
+                "64",
+            ],
+            &["--fused", "--hidden", "4096", "--json", "f.json", "-n", "5"],
+            &[
+                "-b", "1M", "-d", "f32", "--algo", "push_ll", "--plot", "p.svg",
+            ],
+            // A default value given explicitly changes nothing.
+            &["--fused", "-d", "bf16"],
+        ] {
+            assert_eq!(bench(ok).unused_options(), None, "{ok:?}");
+        }
+        for (bad, names) in [
+            (&["--fused", "-d", "f32"][..], &["-d/--datatype"][..]),
+            (
+                &["--fused", "-b", "1M", "--algo", "push_ll", "--procs"],
+                &["-b/--minbytes", "--algo", "--procs"],
+            ),
+            (
+                &["--fused", "--plot", "p.svg", "--no-check"],
+                &["--plot", "--no-check"],
+            ),
+            (&["--fused-ctas", "8"], &["--fused-ctas"]),
+            (&["--hidden", "4096", "--world", "2"], &["--hidden"]),
+        ] {
+            let msg = bench(bad).unused_options().expect("refused");
+            for n in names {
+                assert!(msg.contains(n), "{bad:?}: {msg}");
+            }
+        }
     }
 
     #[test]
