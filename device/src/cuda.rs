@@ -324,6 +324,19 @@ pub unsafe fn ld_pack(p: *const Pack) -> Pack {
     [a, b, c, d]
 }
 
+/// `x` unchanged, through an asm statement the compiler keeps in program
+/// order with the loads around it (it may touch memory, as far as the
+/// compiler knows): a value loaded earlier is then first waited for here,
+/// after the loads issued before this point, instead of where the
+/// compiler would hoist its first use.
+#[inline(always)]
+pub fn ordered_u32(x: u32) -> u32 {
+    let mut v = x;
+    // SAFETY: a register move; no memory is touched.
+    unsafe { asm!("mov.b32 {v}, {v};", v = inout(reg32) v, options(nostack, preserves_flags)) };
+    v
+}
+
 /// `prefetch.global.L1`: brings the line holding `p` into this SM's L1, so
 /// a later load of it is a hit; no register holds anything meanwhile.
 ///

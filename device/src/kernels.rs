@@ -669,6 +669,17 @@ impl PushBegun {
         })
     }
 
+    /// The same, with the epoch's load first waited for at
+    /// [`PushBegun::check`], after the loads issued between `issue` and
+    /// this call ([`ordered_u32`]), not at once after `issue`.
+    #[inline(always)]
+    fn epoch_after_loads(self) -> Self {
+        PushBegun {
+            prev: ordered_u32(self.prev),
+            ..self
+        }
+    }
+
     /// Records `BAD_LAUNCH` or `UNREGISTERED` and returns `None`, or the
     /// block's next epoch.
     #[inline(always)]

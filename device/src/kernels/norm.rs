@@ -1548,6 +1548,15 @@ unsafe fn ll_rows<E: Element, const N: usize, const SPLIT: bool>(
     // CTAs is refused below: the shifts are then unused).
     let shift = if SPLIT { ctas.trailing_zeros() } else { 0 };
     let cluster = block_idx_x() >> shift;
+    // The first two packs this thread sends, issued before anything waits
+    // for the epoch's load: the two round trips (epoch, input) overlap.
+    let g = (begun.block * begun.nthreads + begun.tid) as u64;
+    let stride = (begun.nblocks * begun.nthreads) as u64;
+    // SAFETY: the own input (null, or `a.count` elements: whole packs on
+    // the register path, the only one this kernel runs) and the table
+    // (launch contract).
+    let first = unsafe { super::push_ll::ll_first::<E, N>(a, begun.own_in, g, stride) };
+    let begun = begun.epoch_after_loads();
     // Gamma and the first row's residual: in flight during the sends.
     // SAFETY: enabled only where `rows * hidden == count`, the size of the
     // buffers the launch contract gives.
@@ -1598,11 +1607,10 @@ unsafe fn ll_rows<E: Element, const N: usize, const SPLIT: bool>(
     else {
         return;
     };
-    let g = (block * nthreads + tid) as u64;
-    let stride = (nblocks * nthreads) as u64;
     // SAFETY: the launch contract (zone and input sizes); on the register
-    // path rows are whole chunks, so `count` is a multiple of the lanes.
-    unsafe { super::push_ll::ll_send::<E, N, true>(a, rank, own_in, epoch, g, stride) };
+    // path rows are whole chunks, so `count` is a multiple of the lanes;
+    // `first` holds packs g and g + stride where they exist.
+    unsafe { super::push_ll::ll_send_from::<E, N, true>(a, rank, own_in, epoch, g, stride, first) };
     // Every thread of the block read the old epoch; commit the new one.
     sync_threads();
     // SAFETY: own signal; every thread of the block, after the bar.sync.

@@ -111,13 +111,81 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
     // store between them would hold the second load back a round trip),
     // and the first two loaded before the destinations are computed: the
     // loads follow the table's answer at once.
+    if g >= packs {
+        return;
+    }
+    // SAFETY: g, g + stride (where below packs = ceil(count / lanes)):
+    // inside this rank's input (count elements, contract).
+    let first = unsafe { ld_own_two::<E, WHOLE>(own_in, g, stride, packs, a.count) };
+    // SAFETY: forwarded; `first` holds packs g and g + stride.
+    unsafe { ll_send_from::<E, N, WHOLE>(a, rank, own_in, epoch, g, stride, first) }
+}
+
+/// Packs `g` and `g + stride` of this rank's input (`a.count` elements,
+/// whole packs: the fused push_ll's register path), for
+/// [`ll_send_from`], loaded without looking at the epoch, so a kernel can
+/// issue them before it waits for the epoch's load. A pack that does not
+/// exist (past the input, or a null `own_in`, which the epoch check then
+/// reports as `UNREGISTERED`) is read at `a.table` instead, the group's
+/// pointer table (read-only while kernels run, 16-byte aligned), and its
+/// value goes unused.
+///
+/// # Safety
+/// `own_in` is null or holds `a.count` elements, a multiple of `E::LANES`;
+/// `a.table` points to the group's `RankTable` (the launch contract).
+#[inline(always)]
+pub(super) unsafe fn ll_first<E: Element, const N: usize>(
+    a: &LaunchArgs,
+    own_in: u64,
+    g: u64,
+    stride: u64,
+) -> (Pack, Pack) {
+    if N == 1 {
+        return ([0; 4], [0; 4]);
+    }
+    let packs = a.count / E::LANES as u64;
+    let at = |i: u64| {
+        if own_in != 0 && i < packs {
+            own_in + i * crate::abi::PACK_BYTES as u64
+        } else {
+            a.table
+        }
+    };
+    // SAFETY: each address is a whole pack of the input or the table's
+    // first 16 bytes (above; contract).
+    unsafe {
+        (
+            ld_pack(at(g) as *const Pack),
+            ld_pack(at(g + stride) as *const Pack),
+        )
+    }
+}
+
+/// [`ll_send`] with its first two packs (`g`, `g + stride`) already
+/// loaded, as [`ll_first`] or [`ld_own_two`] load them.
+///
+/// # Safety
+/// As for [`ll_send`]; `first` holds packs `g` and `g + stride` of
+/// `own_in` where they exist.
+#[inline(always)]
+pub(super) unsafe fn ll_send_from<E: Element, const N: usize, const WHOLE: bool>(
+    a: &LaunchArgs,
+    rank: u32,
+    own_in: u64,
+    epoch: u32,
+    g: u64,
+    stride: u64,
+    first: (Pack, Pack),
+) {
+    if N == 1 {
+        return;
+    }
+    let packs = a.count.div_ceil(E::LANES as u64);
     let mut i = g;
     if i >= packs {
         return;
     }
-    // SAFETY: (every load below) i, i + stride < packs = ceil(count /
-    // lanes): inside this rank's input (count elements, contract).
-    let (mut a1, mut a2) = unsafe { ld_own_two::<E, WHOLE>(own_in, i, stride, packs, a.count) };
+    let (mut a1, mut a2) = first;
     let part = ll::slot(epoch, N as u64, rank as u64, a.landing_part);
     let mut dst = [0u64; MAX_RANKS];
     let mut p = 0;
@@ -137,7 +205,8 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
         if i >= packs {
             return;
         }
-        // SAFETY: as above.
+        // SAFETY: i, i + stride (where below packs = ceil(count / lanes)):
+        // inside this rank's input (count elements, contract).
         (a1, a2) = unsafe { ld_own_two::<E, WHOLE>(own_in, i, stride, packs, a.count) };
     }
 }
