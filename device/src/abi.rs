@@ -266,7 +266,7 @@ const _: () = {
     // Tables are allocated alone or in arrays from 256-byte-aligned device
     // allocations, so every table is 16-byte aligned: a kernel may read
     // its first pack as a stand-in address (`push_ll::ll_first`).
-    assert!(size_of::<RankTable>() % 16 == 0);
+    assert!(size_of::<RankTable>() & 15 == 0);
     assert!(size_of::<LaunchArgs>() == 248);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);
