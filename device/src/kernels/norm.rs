@@ -1610,7 +1610,7 @@ unsafe fn ll_rows<E: Element, const N: usize, const SPLIT: bool>(
     // SAFETY: the launch contract (zone and input sizes); on the register
     // path rows are whole chunks, so `count` is a multiple of the lanes;
     // `first` holds packs g and g + stride where they exist.
-    unsafe { super::push_ll::ll_send_from::<E, N, true>(a, rank, own_in, epoch, g, stride, first) };
+    unsafe { super::push_ll::ll_send::<E, N, true>(a, rank, own_in, epoch, g, stride, first) };
     // Every thread of the block read the old epoch; commit the new one.
     sync_threads();
     // SAFETY: own signal; every thread of the block, after the bar.sync.

@@ -84,46 +84,9 @@ unsafe fn st_pack_upto<E: Element>(base: u64, i: u64, count: u64, p: Pack) {
     }
 }
 
-/// Sends packs `g, g + stride, ...` of this rank's input (`a.count`
-/// elements; the last pack zero-padded) as flag-in-data lines of `epoch`
-/// into this rank's part of every peer's LL zone (slot by the epoch's
-/// parity, [`ll::slot`]).
-///
-/// # Safety
-/// As for [`allreduce_push_ll`]: `own_in` holds `a.count` elements, and
-/// every rank's signal allocation holds an LL zone whose parts hold
-/// `ceil(a.count / lanes)` LL packs.
-#[inline(always)]
-pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
-    a: &LaunchArgs,
-    rank: u32,
-    own_in: u64,
-    epoch: u32,
-    g: u64,
-    stride: u64,
-) {
-    if N == 1 {
-        // No peer to send to.
-        return;
-    }
-    let packs = a.count.div_ceil(E::LANES as u64);
-    // Two packs per iteration, both loaded before either is stored (a
-    // store between them would hold the second load back a round trip),
-    // and the first two loaded before the destinations are computed: the
-    // loads follow the table's answer at once.
-    if g >= packs {
-        return;
-    }
-    // SAFETY: g, g + stride (where below packs = ceil(count / lanes)):
-    // inside this rank's input (count elements, contract).
-    let first = unsafe { ld_own_two::<E, WHOLE>(own_in, g, stride, packs, a.count) };
-    // SAFETY: forwarded; `first` holds packs g and g + stride.
-    unsafe { ll_send_from::<E, N, WHOLE>(a, rank, own_in, epoch, g, stride, first) }
-}
-
 /// Packs `g` and `g + stride` of this rank's input (`a.count` elements,
 /// whole packs: the fused push_ll's register path), for
-/// [`ll_send_from`], loaded without looking at the epoch, so a kernel can
+/// [`ll_send`], loaded without looking at the epoch, so a kernel can
 /// issue them before it waits for the epoch's load. A pack that does not
 /// exist (past the input, or a null `own_in`, which the epoch check then
 /// reports as `UNREGISTERED`) is read at `a.table` instead, the group's
@@ -161,14 +124,23 @@ pub(super) unsafe fn ll_first<E: Element, const N: usize>(
     }
 }
 
-/// [`ll_send`] with its first two packs (`g`, `g + stride`) already
-/// loaded, as [`ll_first`] or [`ld_own_two`] load them.
+/// Sends packs `g, g + stride, ...` of this rank's input (`a.count`
+/// elements; the last pack zero-padded) as flag-in-data lines of `epoch`
+/// into this rank's part of every peer's LL zone (slot by the epoch's
+/// parity, [`ll::slot`]), starting from `first`: packs `g` and `g +
+/// stride`, loaded by the caller ([`ld_own_two`], or [`ll_first`] before
+/// the epoch was waited for), so the first loads go out before the
+/// destinations are computed. Then two packs per iteration, both loaded
+/// before either is stored (a store between them would hold the second
+/// load back a round trip).
 ///
 /// # Safety
-/// As for [`ll_send`]; `first` holds packs `g` and `g + stride` of
-/// `own_in` where they exist.
+/// As for [`allreduce_push_ll`]: `own_in` holds `a.count` elements, and
+/// every rank's signal allocation holds an LL zone whose parts hold
+/// `ceil(a.count / lanes)` LL packs; `first` holds packs `g` and `g +
+/// stride` of `own_in` where they exist.
 #[inline(always)]
-pub(super) unsafe fn ll_send_from<E: Element, const N: usize, const WHOLE: bool>(
+pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
     a: &LaunchArgs,
     rank: u32,
     own_in: u64,
@@ -307,9 +279,16 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
     let stride = (nblocks * nthreads) as u64;
     let part = |src: u64| ll::slot(epoch, N as u64, src, a.landing_part);
 
-    // Phase 1: this rank's packs into its part of every peer's zone.
-    // SAFETY: the launch contract.
-    unsafe { ll_send::<E, N, false>(a, rank, own_in, epoch, g, stride) };
+    // Phase 1: this rank's packs into its part of every peer's zone (with
+    // no peer, none), the first two loaded before the destinations are
+    // computed: the loads follow the table's answer at once.
+    if N > 1 && g < packs {
+        // SAFETY: g, g + stride (where below packs = ceil(count / lanes)):
+        // inside this rank's input (count elements, contract).
+        let first = unsafe { ld_own_two::<E, false>(own_in, g, stride, packs, a.count) };
+        // SAFETY: the launch contract; `first` holds packs g and g + stride.
+        unsafe { ll_send::<E, N, false>(a, rank, own_in, epoch, g, stride, first) };
+    }
 
     // Every thread of the block read the old epoch; commit the new one.
     sync_threads();
