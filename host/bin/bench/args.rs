@@ -91,8 +91,8 @@ impl BenchArgs {
     /// than was asked for. Values equal to the defaults count as not given.
     pub fn unused_options(&self) -> Option<String> {
         let d = BenchArgs::default();
-        let given: Vec<&str> = if self.fused {
-            [
+        let checks = if self.fused {
+            vec![
                 (self.minbytes != d.minbytes, "-b/--minbytes"),
                 (self.maxbytes != d.maxbytes, "-e/--maxbytes"),
                 (self.stepfactor != d.stepfactor, "-f/--stepfactor"),
@@ -103,18 +103,16 @@ impl BenchArgs {
                 (self.no_nccl, "--no-nccl"),
                 (self.no_check, "--no-check"),
             ]
-            .into_iter()
-            .filter_map(|(on, name)| on.then_some(name))
-            .collect()
         } else {
-            [
+            vec![
                 (self.hidden != d.hidden, "--hidden"),
                 (!self.fused_ctas.is_empty(), "--fused-ctas"),
             ]
+        };
+        let given: Vec<&str> = checks
             .into_iter()
             .filter_map(|(on, name)| on.then_some(name))
-            .collect()
-        };
+            .collect();
         if given.is_empty() {
             None
         } else if self.fused {
