@@ -11,6 +11,7 @@ where torch or a GPU is missing.
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,6 +99,66 @@ class GpuTests(unittest.TestCase):
     @unittest.skipIf(GPUS < 2, f"needs 2 GPUs, torch sees {GPUS}")
     def test_two_gpus_dead_rank(self):
         self.check([0, 1], "timeout", [0])
+
+
+BENCH_TP = os.path.join(HERE, "..", "bench", "bench_tp.py")
+#: A small model: every layer kind, two layers, seconds to run.
+TINY = ["--hidden", "1024", "--layers", "2", "--intermediate", "2048", "--heads", "8", "--kv-heads", "2",
+        "--head-dim", "128", "--tokens", "1,3,8", "--kv-len", "64", "--reps", "3", "--warmup", "1"]
+
+
+@unittest.skipIf(WHY is not None, WHY or "")
+class BenchTpTests(unittest.TestCase):
+    """python/bench/bench_tp.py end to end: the decode step in a CUDA graph
+    with its bit checks, as a user runs it."""
+
+    def run_bench(self, gpus, *extra):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "out.json")
+            p = subprocess.run([sys.executable, BENCH_TP, "--gpus", gpus, *TINY, "--json", path, *extra],
+                               capture_output=True, text=True, timeout=DEADLINE)
+            print(p.stdout[-3000:], p.stderr[-3000:], sep="\n", flush=True)
+            rows = None
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows = json.load(f)["rows"]
+            return p, rows
+
+    def expect_timed(self, rows, backends, tokens):
+        got = {(r["tokens"], r["backend"]): r for r in rows}
+        for t in tokens:
+            for b in backends:
+                r = got[(t, b)]
+                self.assertIsInstance(r.get("step_us"), float, f"{b} at {t} tokens: {r}")
+                self.assertGreater(r["step_us"], 0.0)
+        return got
+
+    def test_step_two_processes_on_gpu0(self):
+        p, rows = self.run_bench("0,0")
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        got = self.expect_timed(rows, ["ours", "ours-fused", "none"], [1, 3, 8])
+        for t in (1, 3, 8):
+            for b in ("nccl", "symm-mem"):
+                self.assertIn("share a GPU", got[(t, b)]["skipped"])
+            self.assertEqual(got[(t, "ours")]["max_ulps_vs_ours"], 0)
+            self.assertIsInstance(got[(t, "ours-fused")]["max_ulps_vs_ours"], int)
+
+    def test_verify_two_processes_on_gpu0(self):
+        p, rows = self.run_bench("0,0", "--pattern", "verify", "--tokens", "3")
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        got = self.expect_timed(rows, ["ours", "ours-fused"], [3])
+        self.assertEqual(got[(3, "ours")]["allreduces"], 4)
+
+    def test_a_flipped_bit_fails_the_run(self):
+        p, _ = self.run_bench("0,0", "--inject-fault", "--backends", "ours,none", "--tokens", "3")
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("CHECK FAILED", p.stderr)
+
+    @unittest.skipIf(GPUS < 2, f"needs 2 GPUs, torch sees {GPUS}")
+    def test_step_two_gpus_every_backend(self):
+        p, rows = self.run_bench("0,1")
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.expect_timed(rows, ["nccl", "ours", "ours-fused", "symm-mem", "none"], [1, 3, 8])
 
 
 if __name__ == "__main__":
