@@ -31,6 +31,9 @@ for line in sys.stdin:
   done
   cargo build --release --features cli --bin p2p-allreduce
   cp target/release/p2p-allreduce .carry/bin/
+  # The torch package, for the Python GPU tests and the decode-step bench.
+  bash scripts/wheel.sh >/dev/null
+  mkdir -p .carry/whl && cp "$(ls -t .whl/p2p_allreduce-*.whl | head -1)" .carry/whl/
   for need in test-gpu bench-allreduce p2p-allreduce; do
     [ -x ".carry/bin/$need" ] || { echo "gpu-check: build did not produce $need" >&2; exit 1; }
   done
@@ -40,7 +43,8 @@ run)
   OUT=${OUT:-gpu-logs}
   mkdir -p "$OUT"
   B=.carry/bin
-  [ -x "$B/test-gpu" ] || { echo "gpu-check: $B/test-gpu missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
+  [ -x "$B/test-gpu" ] || [ "${GPU_CHECK_ONLY:-}" = python ] \
+    || { echo "gpu-check: $B/test-gpu missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
   status=0
   # libnccl is found by the library itself (LD_LIBRARY_PATH, else the
   # nvidia-nccl wheels of the Pythons on PATH): no link is made here.
@@ -54,6 +58,23 @@ run)
     echo "== $name"
     timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" || { echo "== $name: FAILED (exit $?)"; status=1; }
   }
+  python_steps() {
+    # The torch package (carried wheel) into a private site dir; torch is the machine's.
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/p2p-site .carry/whl/*.whl \
+      || { echo "== python: wheel install FAILED"; status=1; return; }
+    export PYTHONPATH=/tmp/p2p-site PYTHONUNBUFFERED=1
+    step python-gpu-tests 900 bash -c 'cd python/tests && python3 -m unittest -v test_gpu test_no_gpu test_bench_tp'
+    # The decode step (issue 30): two ranks per GPU pair; on one GPU, two ranks share GPU 0.
+    local g=0,0; [ "$ngpu" -ge 2 ] && g=0,1
+    step bench-tp-deepseek 600 python3 python/bench/bench_tp.py --gpus $g --model deepseek-v3-dense \
+      --reps "${TP_REPS:-10}" --json "$OUT/bench-tp-deepseek.json" --svg "$OUT/bench-tp-deepseek.svg"
+    local l70=""; [ "$g" = 0,0 ] && l70="--layers 40"
+    step bench-tp-llama 600 python3 python/bench/bench_tp.py --gpus $g --model llama-70b $l70 \
+      --reps "${TP_REPS:-10}" --json "$OUT/bench-tp-llama.json" --svg "$OUT/bench-tp-llama.svg"
+    step bench-tp-verify 300 python3 python/bench/bench_tp.py --gpus $g --model deepseek-v3-dense \
+      --pattern verify --reps 20 --json "$OUT/bench-tp-verify.json"
+  }
+  if [ "${GPU_CHECK_ONLY:-}" = python ]; then python_steps; exit $status; fi
   step gpu-suite "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu"
   if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then exit $status; fi
   step cli-check 150 "$B/p2p-allreduce" check --quick
@@ -70,6 +91,7 @@ run)
   else
     echo "== two-GPU steps: not run ($ngpu GPU)"
   fi
+  [ "${GPU_CHECK_PYTHON:-1}" = 1 ] && python_steps
   if [ "${GPU_CHECK_VIRTUAL_BENCH:-0}" = 1 ]; then
     step bench-virtual 180 "$B/bench-allreduce"
   fi

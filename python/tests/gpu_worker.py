@@ -375,6 +375,81 @@ def timeout_case(c, ca, dead):
     c.run(f"a dead rank {dead} raises PeerTimeoutError naming it", body)
 
 
+def adapter_cases(c, world, group):
+    """The engine-facing object (p2p_allreduce.integrations) on the real
+    kernels: what SGLang and vLLM call, out of place, in a graph inside
+    capture(), and the fused op with a fresh residual."""
+    from p2p_allreduce.integrations import EngineAllreduce
+
+    state = {}
+
+    def make():
+        state["e"] = EngineAllreduce(group, c.dev, max_size=1 << 20)
+        assert not state["e"].disabled, state["e"].reason
+
+    c.run("adapter: enabled on every rank", make)
+    e = state.get("e")
+    if e is None:
+        return
+
+    def out_of_place():
+        for dtype in DTYPES:
+            for n in (8, 4097, 21504):
+                x = c.x(n, dtype, 500 + n)
+                before = x.clone()
+                assert e.takes(x)
+                out = e.reduced(x)
+                torch.cuda.current_stream(c.dev).synchronize()
+                same_bits(out, c.ref(n, dtype, 500 + n), f"adapter reduced {dtype} n={n}")
+                same_bits(x, before.cpu(), "adapter input untouched")
+                assert out.data_ptr() != x.data_ptr()
+        # What is not ours: other dtypes, too large, empty.
+        assert not e.takes(torch.zeros(4, dtype=torch.int32, device=c.dev))
+        assert not e.takes(torch.zeros((1 << 20) // 2 + 8, dtype=torch.bfloat16, device=c.dev))
+        assert not e.takes(torch.zeros(0, dtype=torch.bfloat16, device=c.dev))
+        # Rank-invariant: an unaligned view is still ours (staged).
+        assert e.takes(torch.zeros(9, dtype=torch.bfloat16, device=c.dev)[1:])
+
+    c.run("adapter: out of place, every dtype", out_of_place)
+
+    def in_graph():
+        n = 3 * 7168
+        x = c.x(n, torch.bfloat16, 900)
+        outs = []
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream(c.dev)
+        s.wait_stream(torch.cuda.current_stream(c.dev))
+        with e.capture():
+            e.reduced(x)  # the engine's warm-up runs inside capture(), not captured
+            with torch.cuda.graph(g, stream=s):
+                outs.append(e.reduced(x))
+        poison(outs[0])
+        g.replay()
+        torch.cuda.synchronize(c.dev)
+        same_bits(outs[0], c.ref(n, torch.bfloat16, 900), "adapter in a graph")
+        assert e.ca.last_call[0] == "captured", e.ca.last_call
+
+    c.run("adapter: captured in a CUDA graph", in_graph)
+
+    def fused():
+        rows, hidden = 3, 1024
+        x = c.x(rows * hidden, torch.bfloat16, 901).view(rows, hidden)
+        g = torch.Generator().manual_seed(77)
+        res = torch.randn(rows, hidden, generator=g).to(torch.bfloat16).to(c.dev)
+        w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16).to(c.dev)
+        before = res.clone()
+        normed, new_res = e.add_rmsnorm(x, res, w, 1e-6)
+        torch.cuda.synchronize(c.dev)
+        same_bits(res, before.cpu(), "adapter fused: input residual untouched")
+        total = c.ref(rows * hidden, torch.bfloat16, 901).view(rows, hidden)
+        want_res = (total.float() + before.cpu().float()).to(torch.bfloat16)
+        same_bits(new_res, want_res, "adapter fused residual = sum + residual")
+        assert normed.shape == x.shape and not torch.isnan(normed.float()).any()
+
+    c.run("adapter: fused allreduce + add + RMSNorm", fused)
+    e.close()
+
+
 def main(rank, world, devices, port, outdir, mode):
     dev = torch.device("cuda", devices[rank])
     torch.cuda.set_device(dev)
@@ -387,6 +462,13 @@ def main(rank, world, devices, port, outdir, mode):
         nonlocal ca
         ca = pa.CustomAllreduce(device=dev, timeout=timeout)
 
+    if mode == "adapter":
+        adapter_cases(c, world, dist.group.WORLD)
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(c.results, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     c.run("construct inside torch.distributed", make)
     if ca is not None:
         if mode == "timeout":

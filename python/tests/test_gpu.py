@@ -89,6 +89,9 @@ class GpuTests(unittest.TestCase):
     def test_two_processes_on_gpu0(self):
         self.check([0, 0], "correctness", [0, 1])
 
+    def test_two_processes_on_gpu0_engine_adapter(self):
+        self.check([0, 0], "adapter", [0, 1])
+
     def test_two_processes_on_gpu0_dead_rank(self):
         self.check([0, 0], "timeout", [0])
 
