@@ -438,7 +438,8 @@ def same_ranks(torch, dist, group, tensors, what):
     """Raises Failed unless every rank holds these tensors bit for bit."""
     world = dist.get_world_size(group)
     for i, t in enumerate(tensors):
-        mine = t.detach().contiguous().view(torch.int16).cpu()
+        # As int32 (gloo has no 16-bit integers); the bits are unchanged.
+        mine = t.detach().contiguous().view(torch.int16).cpu().to(torch.int32)
         got = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(got, mine, group=group)
         for r, other in enumerate(got):

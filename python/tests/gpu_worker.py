@@ -419,8 +419,10 @@ def adapter_cases(c, world, group):
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream(c.dev)
         s.wait_stream(torch.cuda.current_stream(c.dev))
-        with e.capture():
-            e.reduced(x)  # the engine's warm-up runs inside capture(), not captured
+        with e.capture(), torch.cuda.stream(s):
+            # As the engines do: warm-up inside capture(), not captured, on
+            # the stream the graph is then captured on.
+            e.reduced(x)
             with torch.cuda.graph(g, stream=s):
                 outs.append(e.reduced(x))
         poison(outs[0])
