@@ -331,6 +331,21 @@ pub fn is_capturing(stream: &CudaStream) -> Result<bool> {
     Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+/// Whether `stream` is in a graph capture that has been invalidated (a
+/// refused operation on the capturing stream, e.g. a wait for an event
+/// recorded before the capture), and the deferred error its context holds,
+/// if any (taken: it is reported with this).
+pub fn capture_invalidated(stream: &CudaStream) -> Result<Option<String>> {
+    let st = stream.capture_status().during("cuStreamGetCaptureInfo")?;
+    if st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED {
+        return Ok(None);
+    }
+    Ok(Some(match stream.context().check_err() {
+        Err(e) => format!("the refused call: {e}"),
+        Ok(()) => "no deferred error recorded".into(),
+    }))
+}
+
 /// Makes future work on `next` wait for the work already on `prev` (an
 /// event recorded on `prev`, waited for on `next`). Both must belong to one
 /// context. Refused while either stream captures a graph, where such a

@@ -40,9 +40,13 @@ pub enum Route {
 /// capture, and launch each rank's graph on its stream. Capture the streams
 /// in `CU_STREAM_CAPTURE_MODE_RELAXED` (ending one capture instantiates its
 /// graph, which thread-local mode refuses while the other streams still
-/// capture), and disable cudarc's event tracking on the contexts
-/// (`CudaContext::disable_event_tracking`), whose events cannot be recorded
-/// during capture.
+/// capture), and either disable cudarc's event tracking on the contexts
+/// (`CudaContext::disable_event_tracking`) before allocating the buffers
+/// you capture, or pass raw pointers ([`PeerGroup::allreduce_raw`],
+/// [`PeerGroup::allreduce_registered_raw`]): with the tracking on, taking a
+/// cudarc slice's pointer during capture waits for an event recorded
+/// before it, which CUDA refuses (the call returns
+/// `Error::CaptureInvalidated`).
 pub struct PeerGroup {
     core: Collective,
     #[cfg(feature = "nccl")]
@@ -261,6 +265,50 @@ impl PeerGroup {
         }
     }
 
+    /// [`Self::allreduce_add_rmsnorm`] with the normed rows written over
+    /// each rank's input `x[r]` (staged: the inputs are read before they
+    /// are overwritten), as
+    /// [`VirtualGroup::allreduce_add_rmsnorm_in_place`](crate::VirtualGroup::allreduce_add_rmsnorm_in_place).
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
+    pub fn allreduce_add_rmsnorm_in_place<T, X, R, G>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        x: &mut [X],
+        residual: &mut [R],
+        gamma: &[&G],
+        eps: f32,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        X: DevicePtrMut<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+    {
+        check_count("streams", streams.len(), self.world())?;
+        let b = NormBuffers::in_place(self.world(), streams, x, residual, gamma, eps)?;
+        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: live buffers on their ranks' devices holding what
+        // `NormBuffers` checked, guarded until the work is enqueued; the
+        // inputs are staged, so writing the normed rows over them is
+        // allowed.
+        unsafe {
+            self.core.add_rmsnorm(
+                &refs,
+                T::DTYPE,
+                b.rows,
+                b.hidden,
+                eps,
+                &b.ptrs,
+                NormInputs::Staged,
+                algo,
+            )
+        }
+    }
+
     /// In-place allreduce: every rank's buffer is both input and output.
     ///
     /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
@@ -391,6 +439,31 @@ impl PeerGroup {
         unsafe { self.core.registered(&s, reg, count, &o, algo) }
     }
 
+    /// [`Self::allreduce_registered`] with raw output pointers (`outputs[r]`
+    /// on rank r's device): for outputs that are not cudarc slices, and for
+    /// graph capture with cudarc's event tracking on (see
+    /// `Error::CaptureInvalidated`).
+    ///
+    /// # Safety
+    /// `outputs[r]` must be valid for writes of `count` elements of `T`
+    /// until the work on `streams[r]` completes (for as long as a captured
+    /// graph can be launched), and must not overlap the registered buffers.
+    pub unsafe fn allreduce_registered_raw<T: DeviceElement>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("streams", streams.len(), self.world())?;
+        check_count("outputs", outputs.len(), self.world())?;
+        let o = by_rank(outputs.iter().copied());
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: forwarded from the caller.
+        unsafe { self.core.registered(&s, reg, count, &o, algo) }
+    }
+
     /// [`Self::allreduce_add_rmsnorm`] with zero-copy input: the first
     /// `count` elements (whole rows of `gamma[r].len()`) of each rank's
     /// registered buffer, written beforehand on its stream, read where they
@@ -479,5 +552,29 @@ impl PeerGroup {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         self.core
             .launch_with_absent_ranks(&s, absent_ranks, dtype, algorithm, count)
+    }
+
+    /// Fault injection for the fused call, as
+    /// [`crate::VirtualGroup::add_rmsnorm_with_absent_ranks`]: one fused
+    /// allreduce + residual add + RMSNorm of `rows x hidden` elements of
+    /// `dtype` with `algorithm` over the group's own buffers, in which the
+    /// ranks in `absent_ranks` (bit r: rank r) leave at once; the others
+    /// wait for them until the timeout and record `PeerTimeout`, which
+    /// [`PeerGroup::check`] reports. Returns the algorithm that ran
+    /// (refusals as for the fused call; `rows * hidden` must fit
+    /// `Config::max_bytes`). Does not wait, as
+    /// [`Self::launch_with_absent_ranks`].
+    pub fn add_rmsnorm_with_absent_ranks(
+        &self,
+        streams: &[Arc<CudaStream>],
+        absent_ranks: u32,
+        dtype: Dtype,
+        algorithm: AlgoChoice,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<Algorithm> {
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        self.core
+            .add_rmsnorm_with_absent_ranks(&s, absent_ranks, dtype, rows, hidden, algorithm)
     }
 }

@@ -318,6 +318,30 @@ impl VirtualGroup {
         unsafe { self.core.registered(&[stream], reg, count, &o, algo) }
     }
 
+    /// [`Self::allreduce_registered`] with raw output pointers (one per
+    /// rank): for callers whose outputs are not cudarc slices, and for
+    /// graph capture with cudarc's event tracking on, where taking a
+    /// slice's pointer waits for an event recorded before the capture
+    /// (`Error::CaptureInvalidated`).
+    ///
+    /// # Safety
+    /// `outputs[r]` must be valid for writes of `count` elements of `T`
+    /// until the work on `stream` completes (for as long as a captured
+    /// graph can be launched), and must not overlap the registered buffers.
+    pub unsafe fn allreduce_registered_raw<T: DeviceElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("outputs", outputs.len(), self.world())?;
+        let o = by_rank(outputs.iter().copied());
+        // SAFETY: forwarded from the caller.
+        unsafe { self.core.registered(&[stream], reg, count, &o, algo) }
+    }
+
     /// [`Self::allreduce_add_rmsnorm`] with zero-copy input: the first
     /// `count` elements (whole rows of `gamma[r].len()`) of each rank's
     /// registered buffer, written beforehand, read where they are (no
