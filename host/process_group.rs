@@ -94,10 +94,18 @@ fn agree_on_thresholds(
 impl ProcessGroup {
     /// Forms rank `exchange.rank()` of a group of `exchange.world()` processes.
     /// Every rank must pass the same `config`; a mismatch is reported.
+    ///
+    /// Three rounds of `exchange`: the ranks' identities
+    /// ([`crate::ipc::introduce`]: a group across hosts is refused with
+    /// `Error::CrossHost`, one across builds with `GroupMismatch`, both
+    /// before any CUDA call), the buffers' IPC records, and `Auto`'s table.
     pub fn new(ctx: &Arc<CudaContext>, exchange: &dyn Exchange, config: Config) -> Result<Self> {
         let (rank, world) = (exchange.rank(), exchange.world());
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
+        // Who the ranks are (build, host, process), before any CUDA call:
+        // a group across hosts or builds is refused here.
+        ipc::introduce(exchange)?;
         let kernels = Kernels::for_context(ctx, config.kernel_image)?;
         kernels.prepare(world, false, config.threads_per_block)?;
         let own = RankBuffers::new(ctx, &config, world)?;
