@@ -157,6 +157,23 @@ pub(crate) fn direct_input(
         })
 }
 
+/// The end of a call that took cudarc slices' pointers: drops their
+/// guards (`guards`), and where the call was refused because cudarc's
+/// event tracking invalidated a graph capture (`CaptureInvalidated`), drops
+/// the deferred errors those guards then left on the streams' contexts
+/// (their event records on the invalidated capture, part of the same
+/// refusal, which the next `check()` would otherwise report as a driver
+/// error).
+pub(crate) fn settle<T, G>(r: Result<T>, guards: G, streams: &[&Arc<CudaStream>]) -> Result<T> {
+    drop(guards);
+    if matches!(r, Err(Error::CaptureInvalidated { .. })) {
+        for s in streams {
+            let _ = s.context().check_err();
+        }
+    }
+    r
+}
+
 /// Whether `len` bytes at `a` and `len` bytes at `b` (one address space)
 /// share no byte.
 pub(crate) fn disjoint(a: u64, b: u64, len: u64) -> bool {

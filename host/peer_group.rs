@@ -4,7 +4,7 @@
 
 use crate::abi::{Algorithm, Dtype};
 use crate::checks::{by_rank, check_count, check_world, count_of};
-use crate::collective::{Collective, Member, RankBuffers};
+use crate::collective::{settle, Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
@@ -219,7 +219,9 @@ impl PeerGroup {
         let o: Vec<u64> = outs.iter().map(|p| p.0).collect();
         // SAFETY: every pointer comes from a live slice or view of at least
         // `count` elements on its rank's device, guarded until enqueued.
-        unsafe { self.allreduce_raw(streams, T::DTYPE, count, &i, &o, algo) }
+        let r = unsafe { self.allreduce_raw(streams, T::DTYPE, count, &i, &o, algo) };
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        settle(r, (ins, outs), &s)
     }
 
     /// Fused allreduce + residual add + RMSNorm on every rank (rank r's
@@ -251,7 +253,7 @@ impl PeerGroup {
         // SAFETY: every pointer comes from a live slice or view on its
         // rank's device holding what `NormBuffers` checked, guarded until
         // the work is enqueued.
-        unsafe {
+        let r = unsafe {
             self.core.add_rmsnorm(
                 &refs,
                 T::DTYPE,
@@ -262,7 +264,8 @@ impl PeerGroup {
                 NormInputs::Staged,
                 algo,
             )
-        }
+        };
+        settle(r, b, &refs)
     }
 
     /// [`Self::allreduce_add_rmsnorm`] with the normed rows written over
@@ -295,7 +298,7 @@ impl PeerGroup {
         // `NormBuffers` checked, guarded until the work is enqueued; the
         // inputs are staged, so writing the normed rows over them is
         // allowed.
-        unsafe {
+        let r = unsafe {
             self.core.add_rmsnorm(
                 &refs,
                 T::DTYPE,
@@ -306,7 +309,8 @@ impl PeerGroup {
                 NormInputs::Staged,
                 algo,
             )
-        }
+        };
+        settle(r, b, &refs)
     }
 
     /// In-place allreduce: every rank's buffer is both input and output.
@@ -338,7 +342,9 @@ impl PeerGroup {
             .collect();
         let p: Vec<u64> = bufs.iter().map(|p| p.0).collect();
         // SAFETY: live buffers of `count` elements; inputs are staged.
-        unsafe { self.allreduce_raw(streams, T::DTYPE, count, &p, &p, algo) }
+        let r = unsafe { self.allreduce_raw(streams, T::DTYPE, count, &p, &p, algo) };
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        settle(r, bufs, &s)
     }
 
     /// [`PeerGroup::allreduce`] on raw device pointers: `inputs[r]` and
@@ -436,7 +442,8 @@ impl PeerGroup {
         let o = by_rank(outs.iter().map(|p| p.0));
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: every output holds >= count elements (checked above).
-        unsafe { self.core.registered(&s, reg, count, &o, algo) }
+        let r = unsafe { self.core.registered(&s, reg, count, &o, algo) };
+        settle(r, outs, &s)
     }
 
     /// [`Self::allreduce_registered`] with raw output pointers (`outputs[r]`
@@ -508,10 +515,11 @@ impl PeerGroup {
         // their ranks' devices holding what `NormBuffers` checked, guarded
         // until the work is enqueued; they cannot overlap the registered
         // buffers, which only `reg` owns.
-        unsafe {
+        let r = unsafe {
             self.core
                 .add_rmsnorm_registered(&refs, reg, b.rows, b.hidden, eps, &b.ptrs, algo)
-        }
+        };
+        settle(r, b, &refs)
     }
 
     /// Reports an error a kernel of this group has recorded so far (a peer
