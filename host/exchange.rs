@@ -150,8 +150,13 @@ impl InProcessExchange {
 /// timeout, the error is `Error::StaleRecord`, naming the file and why it
 /// was not taken (plain `RendezvousTimeout` where nothing was there). A
 /// rank whose writer exits after an earlier round is reported at once
-/// (`Error::PeerExited`), not at the timeout. `DirExchange::new` removes
-/// this rank's own records of earlier runs.
+/// (`Error::PeerExited`), not at the timeout.
+///
+/// Few records are left behind: `DirExchange::new` removes this rank's
+/// records of earlier runs; when round k completes, this rank's record of
+/// round k - 1 is removed (every peer has read it: each wrote round k
+/// after reading all of round k - 1); a round that fails removes this
+/// exchange's records (the rendezvous is over).
 pub struct DirExchange {
     dir: PathBuf,
     rank: usize,
@@ -391,6 +396,19 @@ impl Exchange for DirExchange {
             *r += 1;
             *r
         };
+        self.gather_round(round, mine).inspect_err(|_| {
+            // A failed round ends the rendezvous: no peer may take this
+            // exchange's records for a later one.
+            for k in round.saturating_sub(1)..=round {
+                let _ = std::fs::remove_file(self.path(k, self.rank));
+            }
+        })
+    }
+}
+
+impl DirExchange {
+    /// Round `round` of [`Exchange::all_gather`].
+    fn gather_round(&self, round: u64, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let io = |what: &str, p: &Path, e: std::io::Error| {
             Error::Rendezvous(format!("{what} {}: {e}", p.display()))
         };
@@ -442,6 +460,9 @@ impl Exchange for DirExchange {
                 }
             }
             if out.iter().all(Option::is_some) {
+                if round > 1 {
+                    let _ = std::fs::remove_file(self.path(round - 1, self.rank));
+                }
                 return Ok(out.into_iter().map(Option::unwrap_or_default).collect());
             }
             // A rank seen in an earlier round whose process has exited will
