@@ -3832,12 +3832,16 @@ fn fused_auto_config() -> Config {
     }
 }
 
+/// A zero-copy fused case's outcome: the algorithm that ran and every
+/// rank's (residual out, normed rows), or the refusal.
+type FusedOutcome = p2p_allreduce::Result<(Algorithm, Vec<(Vec<u32>, Vec<u32>)>)>;
+
 /// What `fused_auto_beyond_scratch` expects of `algo`: Auto runs one-stage
 /// and every rank is bit-exact; two-stage is refused.
 fn fused_auto_outcome(
     what: &str,
     algo: AlgoChoice,
-    r: p2p_allreduce::Result<(Algorithm, Vec<(Vec<u32>, Vec<u32>)>)>,
+    r: FusedOutcome,
     want: &[(Vec<u32>, Vec<u32>)],
 ) {
     match (algo, r) {
@@ -3948,6 +3952,7 @@ fn auto_fused_child(rank: usize) -> Result<String, String> {
 ///   cleanly and the group stays healthy (if the driver lets the capture
 ///   go on instead, the call must have captured correctly: checked).
 /// - The raw registered call captured: every replay bit-exact.
+///
 /// The ProcessGroup capture paths take raw pointers and run under the
 /// defaults in every IPC case of this suite (their rank processes never
 /// turn the tracking off).
@@ -4476,9 +4481,16 @@ fn fault_matrix(_g: &Gpu) {
             );
             std::thread::sleep(Duration::from_millis(5));
         }
-        if case == "replay" || case == "fused" {
-            std::thread::sleep(Duration::from_millis(30));
-        }
+        // Replay and fused: a few more calls run; rendezvous and register:
+        // the victim is paused inside the exchange, and the survivor has
+        // surely read its records of the earlier rounds by then.
+        std::thread::sleep(Duration::from_millis(
+            if case == "replay" || case == "fused" {
+                30
+            } else {
+                200
+            },
+        ));
         victim.kill().expect("SIGKILL rank 1");
         let killed_at = unix_ms();
         let _ = victim.wait();
