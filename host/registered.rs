@@ -116,10 +116,22 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
                 need: src.len(),
             });
         }
-        let (p, _g) = src.device_ptr(stream);
+        let (p, g) = src.device_ptr(stream);
+        // With cudarc's event tracking on, taking the pointer inside a
+        // capture may have invalidated it (see `Error::CaptureInvalidated`).
+        if stream.context().is_managing_stream_synchronization() {
+            if let Some(cause) = crate::driver::capture_invalidated(stream)? {
+                drop(g);
+                let _ = stream.context().check_err();
+                return Err(Error::CaptureInvalidated { cause });
+            }
+        }
         // SAFETY: both ranges are live device memory of at least src.len()
         // elements; the guard orders the read after the source's writers.
-        unsafe { crate::driver::copy_dtod_async(stream, dst, p, src.len() * T::DTYPE.size()) }
+        let r =
+            unsafe { crate::driver::copy_dtod_async(stream, dst, p, src.len() * T::DTYPE.size()) };
+        drop(g);
+        r
     }
 }
 
