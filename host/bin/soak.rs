@@ -5,13 +5,14 @@
 //! - results checked against the CPU oracle on a sample of replays (every
 //!   call of a checked replay: outputs poisoned first, fresh adversarial
 //!   f32 data spread over many binades each time);
-//! - host RSS (`/proc/self/status` VmRSS) and device memory in use
+//! - host RSS (`/proc/self/status` VmRSS, after `malloc_trim`) and device memory in use
 //!   (`cuMemGetInfo`) after the first and the last pass, required flat;
 //! - the driver layer's handle counts (device allocations, IPC mappings,
 //!   pinned host memory, events) required unchanged from the first pass
 //!   to the last and back to where they were once the group is dropped;
 //! - the per-call time of every configuration in the first pass against
-//!   the last pass, required within a tolerance (2 %).
+//!   the last pass (the median of three parts of each pass's batch),
+//!   required within a tolerance (2 %).
 //!
 //! The run is planned from a calibration (one checked and two timed
 //! replays of every graph): every configuration gets an equal share of the
@@ -309,8 +310,17 @@ fn soak_config(args: &SoakArgs) -> Config {
     }
 }
 
-/// Host RSS in bytes (`/proc/self/status`), 0 where unreadable.
+/// Host RSS in bytes (`/proc/self/status`), 0 where unreadable, after
+/// the allocator has returned its free memory to the system (glibc's
+/// `malloc_trim`), so that what is compared is memory in use, not the heap
+/// the checks' large temporary vectors left behind.
 fn rss_bytes() -> u64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free heap pages; no pointer is
+    // handed over and no other state is touched.
+    unsafe {
+        libc::malloc_trim(0);
+    }
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -475,14 +485,14 @@ fn soak(
             }
         })
         .collect();
-    let (start, end) = events(&ctx)?;
+    let ev = events(&ctx)?;
     let mut replay_ms = Vec::with_capacity(cfgs.len());
     let mut seed = 0x50a6_0000u64;
     for (i, c) in cfgs.iter().enumerate() {
         rig.build(i, c)?;
         seed += 1;
         record_check(&mut results[i], rig.check(i, c, seed)?, c);
-        let ms = timed(&*rig, i, CAL_REPLAYS, &start, &end)?;
+        let (ms, _) = timed(&*rig, i, CAL_REPLAYS, &ev)?;
         results[i].replays += CAL_REPLAYS;
         results[i].calls += CAL_REPLAYS * c.per_graph as u64;
         replay_ms.push(ms / CAL_REPLAYS as f64);
@@ -511,11 +521,11 @@ fn soak(
                 record_check(&mut results[i], rig.check(i, c, seed)?, c);
             }
             let n = plan.per_pass[i];
-            let ms = timed(&*rig, i, n, &start, &end)?;
+            let (ms, per_replay_ms) = timed(&*rig, i, n, &ev)?;
             timed_s += ms / 1000.0;
             results[i].replays += n;
             results[i].calls += n * c.per_graph as u64;
-            let us = ms * 1000.0 / (n * c.per_graph as u64) as f64;
+            let us = per_replay_ms * 1000.0 / c.per_graph as f64;
             if p == 0 {
                 results[i].first_us = us;
             }
@@ -534,7 +544,7 @@ fn soak(
     for r in &mut results {
         r.drift_pct = (r.last_us / r.first_us - 1.0) * 100.0;
     }
-    drop((start, end));
+    drop(ev);
     rig.teardown();
     let rank = rig.rank();
     drop(rig);
@@ -570,35 +580,50 @@ fn gather_reports(ex: &DirExchange, mine: &RankReport) -> Result<Vec<RankReport>
         .collect()
 }
 
-fn events(
-    ctx: &Arc<CudaContext>,
-) -> Result<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)> {
-    let mk = || {
-        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .during("cuEventCreate")
-    };
-    Ok((mk()?, mk()?))
+/// The events that time a batch in `SUB_BATCHES` parts.
+type Events = Vec<cudarc::driver::CudaEvent>;
+
+/// A timed batch is cut into this many parts; its time per replay is the
+/// median part's (one slow part, e.g. a late first launch, does not move
+/// it).
+const SUB_BATCHES: usize = 3;
+
+fn events(ctx: &Arc<CudaContext>) -> Result<Events> {
+    (0..=SUB_BATCHES)
+        .map(|_| {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .during("cuEventCreate")
+        })
+        .collect()
 }
 
-/// Milliseconds of `n` back-to-back replays of graph `i`.
-fn timed(
-    rig: &dyn Rig,
-    i: usize,
-    n: u64,
-    start: &cudarc::driver::CudaEvent,
-    end: &cudarc::driver::CudaEvent,
-) -> Result<f64> {
+/// `n` back-to-back replays of graph `i`: (milliseconds in all, median
+/// milliseconds per replay over the batch's parts).
+fn timed(rig: &dyn Rig, i: usize, n: u64, ev: &Events) -> Result<(f64, f64)> {
     let s = rig.stream();
-    start.record(s).during("cuEventRecord")?;
-    for _ in 0..n {
-        rig.graph(i).launch().during("cuGraphLaunch")?;
+    let parts = (SUB_BATCHES as u64).min(n).max(1) as usize;
+    ev[0].record(s).during("cuEventRecord")?;
+    let mut sizes = Vec::with_capacity(parts);
+    for k in 0..parts {
+        let m = n / parts as u64 + u64::from((k as u64) < n % parts as u64);
+        for _ in 0..m {
+            rig.graph(i).launch().during("cuGraphLaunch")?;
+        }
+        ev[k + 1].record(s).during("cuEventRecord")?;
+        sizes.push(m);
     }
-    end.record(s).during("cuEventRecord")?;
-    end.synchronize().during("cuEventSynchronize")?;
-    let ms = start.elapsed_ms(end).during("cuEventElapsedTime")? as f64;
+    ev[parts].synchronize().during("cuEventSynchronize")?;
+    let mut per = Vec::with_capacity(parts);
+    let mut total = 0.0;
+    for k in 0..parts {
+        let ms = ev[k].elapsed_ms(&ev[k + 1]).during("cuEventElapsedTime")? as f64;
+        total += ms;
+        per.push(ms / sizes[k].max(1) as f64);
+    }
+    per.sort_by(f64::total_cmp);
     // A kernel error (a peer timeout) shows here, not as a time.
     rig.check_group()?;
-    Ok(ms)
+    Ok((total, per[per.len() / 2]))
 }
 
 fn record_check(r: &mut CfgResult, (elements, wrong, first): (u64, u64, Option<String>), c: &Cfg) {
