@@ -128,26 +128,50 @@ pub(crate) unsafe fn stage(
 /// (`LaunchArgs::own_inputs`) instead of from a copy in the staging
 /// buffer: push_ll reads no peer's input (a peer reads only the lines
 /// this rank writes into its zone), so no copy is needed where each input
-/// at the step's offset is aligned as the kernel's pack loads need and no
-/// other rank of the launch writes its output over it (a rank's own
-/// output may: the thread that writes a pack read it first). Elsewhere
-/// the step is staged as before.
+/// of the launch's `ranks` at the step's offset is aligned as the kernel's
+/// pack loads need and no output of the call overlaps it anywhere in the
+/// message (`count` elements): not another rank's output, of this launch or
+/// of another launching member (a PeerGroup's ranks on one GPU share an
+/// address space, and another rank writes its output while this one may
+/// still read its input for its own sums), and not the rank's own output
+/// unless it lies exactly over the input (the thread that writes a pack
+/// read it first). `outputs` holds every output of the call this process
+/// knows, by rank (0: a rank of another process). Elsewhere the step is
+/// staged as before.
 pub(crate) fn direct_input(
     step: &Step,
     ranks: impl Iterator<Item = usize> + Clone,
+    count: usize,
     inputs: &[u64; MAX_RANKS],
     outputs: &[u64; MAX_RANKS],
     size: usize,
 ) -> bool {
     let at = |p: u64| p + (step.offset * size) as u64;
-    let bytes = (step.len * size) as u64;
+    let bytes = (count * size) as u64;
     step.entry.algorithm == Algorithm::PushLl
         && ranks.clone().all(|r| {
             at(inputs[r]) % BUFFER_ALIGN as u64 == 0
-                && ranks
-                    .clone()
-                    .all(|o| o == r || disjoint(at(inputs[r]), at(outputs[o]), bytes))
+                && outputs.iter().enumerate().all(|(o, &out)| {
+                    out == 0 || (o == r && out == inputs[r]) || disjoint(inputs[r], out, bytes)
+                })
         })
+}
+
+/// The end of a call that took cudarc slices' pointers: drops their
+/// guards (`guards`), and where the call was refused because cudarc's
+/// event tracking invalidated a graph capture (`CaptureInvalidated`), drops
+/// the deferred errors those guards then left on the streams' contexts
+/// (their event records on the invalidated capture, part of the same
+/// refusal, which the next `check()` would otherwise report as a driver
+/// error).
+pub(crate) fn settle<T, G>(r: Result<T>, guards: G, streams: &[&Arc<CudaStream>]) -> Result<T> {
+    drop(guards);
+    if matches!(r, Err(Error::CaptureInvalidated { .. })) {
+        for s in streams {
+            let _ = s.context().check_err();
+        }
+    }
+    r
 }
 
 /// Whether `len` bytes at `a` and `len` bytes at `b` (one address space)
@@ -299,6 +323,17 @@ impl Collective {
                 return Err(Error::SharedStream { a, b: rank });
             }
         }
+        for s in streams {
+            // cudarc's event tracking (its default) makes the caller's
+            // CudaSlices wait for events recorded before a capture, which
+            // invalidates it: say so (the tracking already costs driver
+            // calls; with it off this costs one atomic load).
+            if s.context().is_managing_stream_synchronization() {
+                if let Some(cause) = driver::capture_invalidated(s)? {
+                    return Err(Error::CaptureInvalidated { cause });
+                }
+            }
+        }
         for (s, member) in streams.iter().zip(&self.members) {
             member.order(s)?;
         }
@@ -339,7 +374,8 @@ impl Collective {
             for (member, stream) in self.members.iter().zip(streams) {
                 // push_ll reads no peer's input: where it can, each rank's
                 // is read in place, with no copy into the staging buffer.
-                let direct = direct_input(&step, member.owns(self.world), inputs, outputs, size);
+                let direct =
+                    direct_input(&step, member.owns(self.world), count, inputs, outputs, size);
                 if !direct {
                     for r in member.owns(self.world) {
                         // SAFETY: inputs[r] holds `count` elements (caller);
@@ -576,5 +612,80 @@ impl Collective {
         }
         self.health.clear();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ptx::{Entry, Op};
+
+    fn step(algorithm: Algorithm, offset: usize, len: usize) -> Step {
+        Step {
+            offset,
+            len,
+            entry: Entry {
+                op: Op::Allreduce,
+                algorithm,
+                dtype: Dtype::F32,
+                world: 2,
+                virtual_ranks: false,
+            },
+            blocks: 1,
+        }
+    }
+
+    fn by(ptrs: &[u64]) -> [u64; MAX_RANKS] {
+        let mut a = [0u64; MAX_RANKS];
+        a[..ptrs.len()].copy_from_slice(ptrs);
+        a
+    }
+
+    /// A PeerGroup launches one member per rank: the member of rank 0 must
+    /// see that rank 1's output (another member's) lies over its input,
+    /// as the crossed buffers on two ranks of one GPU do.
+    #[test]
+    fn push_ll_reads_in_place_only_where_no_output_of_the_call_overlaps() {
+        let (a, b, x, y) = (0x10_0000u64, 0x20_0000u64, 0x30_0000u64, 0x40_0000u64);
+        let n = 1000; // 4000 bytes of f32
+        let s = step(Algorithm::PushLl, 0, n);
+        let one = |r: usize| std::iter::once(r);
+        // Distinct buffers: in place for every member.
+        assert!(direct_input(&s, one(0), n, &by(&[a, b]), &by(&[x, y]), 4));
+        assert!(direct_input(&s, 0..2, n, &by(&[a, b]), &by(&[x, y]), 4));
+        // In place (a rank's output exactly over its own input): allowed.
+        assert!(direct_input(&s, one(0), n, &by(&[a, b]), &by(&[a, b]), 4));
+        // Crossed: rank 0's output is rank 1's input and the other way
+        // round. Each member alone owns one rank; both must stage.
+        let (ins, outs) = (by(&[a, b]), by(&[b, a]));
+        assert!(!direct_input(&s, one(0), n, &ins, &outs, 4));
+        assert!(!direct_input(&s, one(1), n, &ins, &outs, 4));
+        assert!(!direct_input(&s, 0..2, n, &ins, &outs, 4));
+        // Another rank's output overlapping only part of the message, in a
+        // later step's range: the whole call stages.
+        let late = by(&[x, a + 3000]);
+        let first = step(Algorithm::PushLl, 0, 256);
+        assert!(!direct_input(&first, one(0), n, &ins, &late, 4));
+        // The rank's own output shifted over its input: staged.
+        assert!(!direct_input(&s, one(0), n, &ins, &by(&[a + 16, y]), 4));
+        // A rank of another process (output 0) is not an overlap.
+        assert!(direct_input(&s, one(0), n, &ins, &by(&[x, 0]), 4));
+        // Misaligned at the step's offset, or another algorithm: staged.
+        assert!(!direct_input(
+            &s,
+            one(0),
+            n,
+            &by(&[a + 4, b]),
+            &by(&[x, y]),
+            4
+        ));
+        assert!(!direct_input(
+            &step(Algorithm::Push, 0, n),
+            one(0),
+            n,
+            &ins,
+            &by(&[x, y]),
+            4
+        ));
     }
 }

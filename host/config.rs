@@ -329,10 +329,54 @@ impl Config {
     }
 }
 
+/// The `Config` field that sizes `algo`'s landing zone, as an error
+/// message names it (push_islands shares push_two_stage's), or
+/// `max_bytes` for the algorithms without one.
+pub fn zone_setting(algo: Algorithm) -> &'static str {
+    match algo {
+        Algorithm::Push => "push_max_bytes",
+        Algorithm::PushLl => "push_ll_max_bytes",
+        Algorithm::PushTwoStage | Algorithm::PushIslands => "push_two_stage_max_bytes",
+        Algorithm::OneStage | Algorithm::TwoStage => "max_bytes",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::thresholds::Band;
+
+    /// Every setting an error message names exists: the zone errors name
+    /// the field a user can set (issue 31: push_islands' message named a
+    /// `Config::push_islands_max_bytes` that does not exist).
+    #[test]
+    fn zone_errors_name_real_config_fields() {
+        let c = Config::default();
+        for algo in Algorithm::ALL {
+            let e = crate::Error::ZoneTooSmall {
+                algorithm: algo,
+                bytes: 1 << 30,
+                capacity: 1 << 20,
+            }
+            .to_string();
+            let field = zone_setting(algo);
+            assert!(e.contains(&format!("Config::{field} ")), "{algo:?}: {e}");
+            // The field is real: the same value `zone_capacity` reads.
+            let value = match field {
+                "push_max_bytes" => c.push_max_bytes,
+                "push_ll_max_bytes" => c.push_ll_max_bytes,
+                "push_two_stage_max_bytes" => c.push_two_stage_max_bytes,
+                "max_bytes" => c.max_bytes,
+                other => panic!("{algo:?}: no Config field {other}"),
+            };
+            assert_eq!(
+                c.zone_capacity(algo).unwrap_or(c.max_bytes),
+                value,
+                "{algo:?}"
+            );
+            assert!(!e.contains("push_islands_max_bytes"), "{e}");
+        }
+    }
 
     #[test]
     fn auto_runs_push_ll_where_it_fits_and_the_table_says() {

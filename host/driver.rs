@@ -24,6 +24,51 @@ pub use ipc::{address_range, ipc_export, IpcMapping, IPC_HANDLE_BYTES};
 pub use kernels::Kernels;
 pub use mailbox::{HostMailbox, HostMapped};
 
+/// What this process holds through the driver layer right now: device
+/// allocations ([`DeviceAlloc`]), peers' allocations mapped through CUDA
+/// IPC ([`IpcMapping`]), pinned host words and buffers ([`HostMailbox`],
+/// [`HostMapped`]), and events (the one [`order_after`] records lives for
+/// the call). For leak checks (`p2p-allreduce soak`, the GPU suite): a
+/// group's drop must bring every count back to where it was before it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Handles {
+    pub device_allocs: i64,
+    pub ipc_mappings: i64,
+    pub host_pinned: i64,
+    pub events: i64,
+}
+
+pub(crate) mod counts {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    pub static DEVICE_ALLOCS: AtomicI64 = AtomicI64::new(0);
+    pub static IPC_MAPPINGS: AtomicI64 = AtomicI64::new(0);
+    pub static HOST_PINNED: AtomicI64 = AtomicI64::new(0);
+    pub static EVENTS: AtomicI64 = AtomicI64::new(0);
+    pub fn up(c: &AtomicI64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn down(c: &AtomicI64) {
+        c.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The live counts of [`Handles`].
+pub fn live_handles() -> Handles {
+    use std::sync::atomic::Ordering::Relaxed;
+    Handles {
+        device_allocs: counts::DEVICE_ALLOCS.load(Relaxed),
+        ipc_mappings: counts::IPC_MAPPINGS.load(Relaxed),
+        host_pinned: counts::HOST_PINNED.load(Relaxed),
+        events: counts::EVENTS.load(Relaxed),
+    }
+}
+
+/// Free and total bytes of `ctx`'s device (`cuMemGetInfo`).
+pub fn mem_info(ctx: &Arc<CudaContext>) -> Result<(usize, usize)> {
+    ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+    result::mem_get_info().during("cuMemGetInfo")
+}
+
 /// Whether libcuda can be loaded. cudarc panics on first use without it, so
 /// every entry point asks this first.
 pub fn driver_present() -> bool {
@@ -164,6 +209,7 @@ impl DeviceAlloc {
             ptr,
             bytes,
         };
+        counts::up(&counts::DEVICE_ALLOCS);
         // SAFETY: `ptr` is a fresh allocation of at least `bytes` bytes.
         unsafe { result::memset_d8_sync(ptr, 0, bytes.max(256)) }.during("cuMemsetD8")?;
         Ok(a)
@@ -229,6 +275,7 @@ impl Drop for DeviceAlloc {
             // SAFETY: `ptr` came from cuMemAlloc and is freed exactly once.
             unsafe { result::free_sync(self.ptr) }
         });
+        counts::down(&counts::DEVICE_ALLOCS);
         record_drop_error(&self.ctx, r);
     }
 }
@@ -331,6 +378,36 @@ pub fn is_capturing(stream: &CudaStream) -> Result<bool> {
     Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+/// For a stream whose context has cudarc's event tracking on: whether its
+/// graph capture has been invalidated (a refused operation on the
+/// capturing stream, e.g. cudarc waiting for an event recorded before the
+/// capture), with the deferred error that says why (taken: it is reported
+/// with this). Where the capture is still active and the only deferred
+/// error is such a refused wait (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`,
+/// which then had no effect), that error is dropped: the capture goes on.
+/// Any other deferred error is left for `check()` to report.
+pub fn capture_invalidated(stream: &CudaStream) -> Result<Option<String>> {
+    let st = stream.capture_status().during("cuStreamGetCaptureInfo")?;
+    let ctx = stream.context();
+    match st {
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => {
+            Ok(Some(match ctx.check_err() {
+                Err(e) => format!("the refused call: {e}"),
+                Ok(()) => "no deferred error recorded".into(),
+            }))
+        }
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {
+            if let Err(e) = ctx.check_err() {
+                if e.0 != sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION {
+                    ctx.record_err::<()>(Err(e));
+                }
+            }
+            Ok(None)
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Makes future work on `next` wait for the work already on `prev` (an
 /// event recorded on `prev`, waited for on `next`). Both must belong to one
 /// context. Refused while either stream captures a graph, where such a
@@ -339,6 +416,12 @@ pub fn order_after(prev: &Arc<CudaStream>, next: &Arc<CudaStream>) -> Result<()>
     if is_capturing(prev)? || is_capturing(next)? {
         return Err(Error::StreamSwitchInCapture);
     }
-    let ev = prev.record_event(None).during("cuEventRecord")?;
-    next.wait(&ev).during("cuStreamWaitEvent")
+    counts::up(&counts::EVENTS);
+    let r = prev
+        .record_event(None)
+        .during("cuEventRecord")
+        .and_then(|ev| next.wait(&ev).during("cuStreamWaitEvent"));
+    // The event (if made) is destroyed when `record_event`'s value drops.
+    counts::down(&counts::EVENTS);
+    r
 }

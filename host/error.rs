@@ -151,9 +151,9 @@ pub enum Error {
 
     #[error(
         "a {} allreduce of {bytes} bytes over zero-copy inputs does not fit its landing zone ({capacity} \
-         bytes of message): use AlgoChoice::Auto, or OneStage (same bits), or a group with Config::{}_max_bytes \
+         bytes of message): use AlgoChoice::Auto, or OneStage (same bits), or a group with Config::{} \
          >= {bytes}",
-        algorithm.name(), algorithm.name()
+        algorithm.name(), crate::config::zone_setting(*algorithm)
     )]
     ZoneTooSmall {
         algorithm: crate::abi::Algorithm,
@@ -218,6 +218,50 @@ pub enum Error {
         other: usize,
         what: String,
     },
+
+    // --- Issue 31: one host per group, the rendezvous directory, capture
+    // under cudarc's event tracking, registered buffers' ranks.
+    #[error(
+        "rank {rank} runs on host {host} but rank {peer} on host {peer_host}: a group shares GPU memory \
+         through CUDA IPC, which works only between processes of one host (one running kernel, one boot \
+         id). Use NCCL (or your engine's allreduce) across hosts, and p2p-allreduce within each host"
+    )]
+    CrossHost {
+        rank: usize,
+        host: String,
+        peer: usize,
+        peer_host: String,
+    },
+
+    #[error(
+        "rank {rank}'s record did not arrive within {waited:?}: {path} holds {reason}. That is a record of \
+         an earlier run, not of this one: start rank {rank}, or use a fresh rendezvous directory per group \
+         (or delete the old records)"
+    )]
+    StaleRecord {
+        rank: usize,
+        path: std::path::PathBuf,
+        reason: String,
+        waited: std::time::Duration,
+    },
+
+    #[error(
+        "rank {rank} (process {pid}) exited during the rendezvous: start the group again on every rank, \
+         in a fresh rendezvous directory"
+    )]
+    PeerExited { rank: usize, pid: u32 },
+
+    #[error(
+        "the graph capture on this stream was invalidated before this call could be captured ({cause}). \
+         With cudarc's event tracking on (its default), using a CudaSlice or view inside a capture makes \
+         cudarc wait for an event recorded before the capture, which CUDA refuses \
+         (CUDA_ERROR_STREAM_CAPTURE_ISOLATION): call CudaContext::disable_event_tracking() before allocating \
+         the buffers you capture, or pass raw device pointers (the _raw calls); then capture again"
+    )]
+    CaptureInvalidated { cause: String },
+
+    #[error("rank {rank} is outside the {ranks} ranks of these registered buffers: use ranks 0..{ranks}")]
+    RankOutOfRange { rank: usize, ranks: usize },
 
     #[error("NCCL: {0}")]
     Nccl(String),

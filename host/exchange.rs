@@ -139,12 +139,132 @@ impl InProcessExchange {
 /// round, rank r writes `round-<k>.rank-<r>` (atomically, readable by the
 /// owner only) and waits for the others' files. The directory is created
 /// with mode 0700 if it does not exist; use a fresh one per group.
+///
+/// Records left in the directory by an earlier run are not taken for this
+/// run's: every file starts with a header naming its writer (process id,
+/// the process's start time, and a number drawn for each `DirExchange`),
+/// and a file is taken only from a live process (a file whose writer has
+/// exited is stale), with the same writer in every round. A file that is
+/// not a `DirExchange` record (corrupt) is not taken either. Such files are
+/// waited past: if the rank's own record does not come within the
+/// timeout, the error is `Error::StaleRecord`, naming the file and why it
+/// was not taken (plain `RendezvousTimeout` where nothing was there). A
+/// rank whose writer exits after an earlier round is reported at once
+/// (`Error::PeerExited`), not at the timeout.
+///
+/// Few records are left behind: `DirExchange::new` removes this rank's
+/// records of earlier runs; when round k completes, this rank's record of
+/// round k - 1 is removed (every peer has read it: each wrote round k
+/// after reading all of round k - 1); a round that fails removes this
+/// exchange's records (the rendezvous is over).
 pub struct DirExchange {
     dir: PathBuf,
     rank: usize,
     world: usize,
     timeout: Duration,
     round: Mutex<u64>,
+    me: Writer,
+    /// The writer of each rank's records, from the first round it was seen.
+    known: Mutex<Vec<Option<Writer>>>,
+}
+
+/// Who wrote a record: a process (id and start time, so a reused id is
+/// told apart) and the `DirExchange` in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Writer {
+    pid: u32,
+    /// The process's start time (clock ticks since boot, `/proc/<pid>/stat`
+    /// field 22); 0 where unknown.
+    start: u64,
+    /// Drawn for each `DirExchange`.
+    nonce: u64,
+}
+
+/// The header of every record file.
+const DIR_MAGIC: &[u8; 8] = b"P2PDXR01";
+const DIR_HEADER: usize = 8 + 4 + 4 + 8 + 8;
+
+impl Writer {
+    fn this_one() -> Writer {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        Writer {
+            pid: std::process::id(),
+            start: process_start(std::process::id()).unwrap_or(0),
+            nonce: h.finish(),
+        }
+    }
+    fn header(&self) -> [u8; DIR_HEADER] {
+        let mut b = [0u8; DIR_HEADER];
+        b[..8].copy_from_slice(DIR_MAGIC);
+        b[8..12].copy_from_slice(&self.pid.to_le_bytes());
+        b[16..24].copy_from_slice(&self.start.to_le_bytes());
+        b[24..32].copy_from_slice(&self.nonce.to_le_bytes());
+        b
+    }
+    /// The writer and payload of a record file, or `None` for a file that
+    /// is not one.
+    fn parse(b: &[u8]) -> Option<(Writer, &[u8])> {
+        if b.len() < DIR_HEADER || &b[..8] != DIR_MAGIC {
+            return None;
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
+        Some((
+            Writer {
+                pid: u32_at(8),
+                start: u64_at(16),
+                nonce: u64_at(24),
+            },
+            &b[DIR_HEADER..],
+        ))
+    }
+    /// Whether the writer's process still runs: `Some(false)` where it has
+    /// exited (no such process, a zombie, or another process under the same
+    /// id), `None` where this system cannot tell (no `/proc`).
+    fn alive(&self) -> Option<bool> {
+        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
+            Ok(stat) => {
+                let (state, start) = parse_stat(&stat)?;
+                Some(!matches!(state, 'Z' | 'X') && (self.start == 0 || start == self.start))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Path::new("/proc/self/stat").exists().then_some(false)
+            }
+            Err(_) => None,
+        }
+    }
+}
+
+/// The state and start time of a `/proc/<pid>/stat` line (the fields
+/// after the command name, which may hold spaces and parentheses).
+fn parse_stat(stat: &str) -> Option<(char, u64)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    // Fields 4..=21 lie between the state (3) and the start time (22).
+    let start = f.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+/// The start time of process `pid` (`/proc/<pid>/stat`), if readable.
+fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat).map(|(_, start)| start)
+}
+
+/// Why a rank's file was not taken.
+enum NotTaken {
+    /// Not taken (stale, corrupt, another rendezvous): wait on.
+    Skip(String),
+    /// The writer seen in earlier rounds has exited.
+    Exited(u32),
 }
 
 impl DirExchange {
@@ -162,18 +282,105 @@ impl DirExchange {
             // Only this user may read the handles (they grant access to GPU memory).
             let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
         }
+        // This rank's records of an earlier run (of this or an exited
+        // process) must not be taken for this run's by a fast peer.
+        let own = format!(".rank-{rank}");
+        let tmp = format!(".rank-{rank}.");
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                if (name.starts_with("round-") && name.ends_with(&own))
+                    || (name.starts_with(".round-") && name.contains(&tmp))
+                {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         Ok(DirExchange {
             dir: dir.to_path_buf(),
             rank,
             world,
             timeout,
             round: Mutex::new(0),
+            me: Writer::this_one(),
+            known: Mutex::new(vec![None; world]),
         })
     }
 
     fn path(&self, round: u64, rank: usize) -> PathBuf {
         self.dir.join(format!("round-{round}.rank-{rank}"))
     }
+
+    /// Rank `r`'s record in `bytes`, if this run's.
+    fn take<'b>(
+        &self,
+        r: usize,
+        bytes: &'b [u8],
+        known: &mut [Option<Writer>],
+    ) -> Result<&'b [u8], NotTaken> {
+        let Some((w, payload)) = Writer::parse(bytes) else {
+            return Err(NotTaken::Skip(format!(
+                "a corrupt record ({} bytes that no DirExchange wrote)",
+                bytes.len()
+            )));
+        };
+        match known[r] {
+            Some(k) if k == w => Ok(payload),
+            Some(k) => Err(match k.alive() {
+                Some(false) => NotTaken::Exited(k.pid),
+                _ => NotTaken::Skip(format!(
+                    "a record of another rendezvous (process {}), not of rank {r}'s current one (process {})",
+                    w.pid, k.pid
+                )),
+            }),
+            None => match w.alive() {
+                Some(false) => Err(NotTaken::Skip(format!(
+                    "a record of process {}, which has exited",
+                    w.pid
+                ))),
+                _ => {
+                    known[r] = Some(w);
+                    Ok(payload)
+                }
+            },
+        }
+    }
+}
+
+/// Writes `payload` as rank `rank`'s record of round `round` in `dir`,
+/// as written by process `pid` (start time `start`, 0: unknown): for tests
+/// of stale and foreign records.
+#[cfg(test)]
+pub(crate) fn forge_dir_record(
+    dir: &Path,
+    round: u64,
+    rank: usize,
+    pid: u32,
+    start: u64,
+    payload: &[u8],
+) {
+    let w = Writer {
+        pid,
+        start,
+        nonce: 7,
+    };
+    let mut b = w.header().to_vec();
+    b.extend_from_slice(payload);
+    std::fs::create_dir_all(dir).expect("dir");
+    std::fs::write(dir.join(format!("round-{round}.rank-{rank}")), b).expect("forge");
+}
+
+/// The id of a process that has exited (a child started and waited for).
+#[cfg(test)]
+pub(crate) fn exited_pid() -> u32 {
+    let mut c = std::process::Command::new("true")
+        .spawn()
+        .or_else(|_| std::process::Command::new("/bin/true").spawn())
+        .expect("start `true`");
+    let pid = c.id();
+    c.wait().expect("wait");
+    pid
 }
 
 impl Exchange for DirExchange {
@@ -189,6 +396,19 @@ impl Exchange for DirExchange {
             *r += 1;
             *r
         };
+        self.gather_round(round, mine).inspect_err(|_| {
+            // A failed round ends the rendezvous: no peer may take this
+            // exchange's records for a later one.
+            for k in round.saturating_sub(1)..=round {
+                let _ = std::fs::remove_file(self.path(k, self.rank));
+            }
+        })
+    }
+}
+
+impl DirExchange {
+    /// Round `round` of [`Exchange::all_gather`].
+    fn gather_round(&self, round: u64, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let io = |what: &str, p: &Path, e: std::io::Error| {
             Error::Rendezvous(format!("{what} {}: {e}", p.display()))
         };
@@ -207,27 +427,68 @@ impl Exchange for DirExchange {
             }
             use std::io::Write;
             let mut f = opts.open(&tmp).map_err(|e| io("writing", &tmp, e))?;
-            f.write_all(mine).map_err(|e| io("writing", &tmp, e))?;
+            f.write_all(&self.me.header())
+                .and_then(|()| f.write_all(mine))
+                .map_err(|e| io("writing", &tmp, e))?;
         }
         let mine_path = self.path(round, self.rank);
         std::fs::rename(&tmp, &mine_path).map_err(|e| io("publishing", &mine_path, e))?;
         let start = Instant::now();
         let mut out: Vec<Option<Vec<u8>>> = vec![None; self.world];
+        out[self.rank] = Some(mine.to_vec());
+        // Why each rank's file, if any, was not taken (the last reason).
+        let mut skipped: Vec<Option<String>> = vec![None; self.world];
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let mut polls = 0u64;
         loop {
+            polls += 1;
             for (r, slot) in out.iter_mut().enumerate() {
-                if slot.is_none() {
-                    match std::fs::read(self.path(round, r)) {
-                        Ok(b) => *slot = Some(b),
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(io("reading", &self.path(round, r), e)),
-                    }
+                if slot.is_some() {
+                    continue;
+                }
+                let path = self.path(round, r);
+                match std::fs::read(&path) {
+                    Ok(b) => match self.take(r, &b, &mut known) {
+                        Ok(payload) => *slot = Some(payload.to_vec()),
+                        Err(NotTaken::Skip(why)) => skipped[r] = Some(why),
+                        Err(NotTaken::Exited(pid)) => {
+                            return Err(Error::PeerExited { rank: r, pid })
+                        }
+                    },
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io("reading", &path, e)),
                 }
             }
             if out.iter().all(Option::is_some) {
+                if round > 1 {
+                    let _ = std::fs::remove_file(self.path(round - 1, self.rank));
+                }
                 return Ok(out.into_iter().map(Option::unwrap_or_default).collect());
+            }
+            // A rank seen in an earlier round whose process has exited will
+            // not come: say so now (every 50 polls, about 0.1 s).
+            if polls % 50 == 0 {
+                for (r, slot) in out.iter().enumerate() {
+                    if let (None, Some(w)) = (slot, known[r]) {
+                        if w.alive() == Some(false) {
+                            return Err(Error::PeerExited {
+                                rank: r,
+                                pid: w.pid,
+                            });
+                        }
+                    }
+                }
             }
             if start.elapsed() > self.timeout {
                 let missing = missing_ranks(&out);
+                if let Some(&r) = missing.iter().find(|&&r| skipped[r].is_some()) {
+                    return Err(Error::StaleRecord {
+                        rank: r,
+                        path: self.path(round, r),
+                        reason: skipped[r].take().unwrap_or_default(),
+                        waited: self.timeout,
+                    });
+                }
                 return Err(Error::RendezvousTimeout {
                     missing,
                     waited: self.timeout,
@@ -277,6 +538,186 @@ mod tests {
             Err(Error::RendezvousTimeout { missing, .. }) => assert_eq!(missing, vec![1]),
             other => panic!("expected a timeout, got {other:?}"),
         }
+    }
+
+    fn tmp_dir(what: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("p2p-ar-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    /// Two ranks (threads) meet in `dir` for two rounds.
+    fn two_ranks_meet(dir: &Path) {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let dir = dir.to_path_buf();
+                std::thread::spawn(move || {
+                    let ex = DirExchange::new(&dir, r, 2, Duration::from_secs(5)).expect("new");
+                    let a = ex.all_gather(format!("a{r}").as_bytes()).expect("round 1");
+                    let b = ex.all_gather(format!("b{r}").as_bytes()).expect("round 2");
+                    (a, b)
+                })
+            })
+            .collect();
+        for h in hs {
+            let (a, b) = h.join().expect("thread");
+            assert_eq!(a, vec![b"a0".to_vec(), b"a1".to_vec()]);
+            assert_eq!(b, vec![b"b0".to_vec(), b"b1".to_vec()]);
+        }
+    }
+
+    /// Fault matrix (issue 31): the rendezvous directory holds rank 1's
+    /// records of an earlier run, written by a process that has exited.
+    /// Rank 0 does not take them: it waits for this run's rank 1 and, when
+    /// none comes, gets `StaleRecord` naming the file within the timeout
+    /// plus one second. A later rank 1 is met (the stale files are waited
+    /// past), and a new group in the same directory works.
+    #[test]
+    fn stale_records_of_an_exited_process_are_not_taken() {
+        let dir = tmp_dir("stale");
+        let dead = exited_pid();
+        for round in 1..=3 {
+            forge_dir_record(&dir, round, 1, dead, 0, b"old run");
+        }
+        let timeout = Duration::from_millis(400);
+        let ex = DirExchange::new(&dir, 0, 2, timeout).expect("new");
+        let t = Instant::now();
+        match ex.all_gather(b"x") {
+            Err(Error::StaleRecord {
+                rank: 1,
+                path,
+                reason,
+                ..
+            }) => {
+                assert!(path.ends_with("round-1.rank-1"), "{path:?}");
+                assert!(
+                    reason.contains(&format!("process {dead}, which has exited")),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected StaleRecord, got {other:?}"),
+        }
+        let took = t.elapsed();
+        assert!(
+            took >= timeout && took < timeout + Duration::from_secs(1),
+            "{took:?}"
+        );
+        // Rank 0 again, and this run's rank 1 later: met, never the stale data.
+        for round in 1..=3 {
+            forge_dir_record(&dir, round, 1, dead, 0, b"old run");
+        }
+        let d0 = dir.clone();
+        let r0 = std::thread::spawn(move || {
+            let ex = DirExchange::new(&d0, 0, 2, Duration::from_secs(5)).expect("new");
+            (ex.all_gather(b"a0"), ex.all_gather(b"b0"))
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let ex1 = DirExchange::new(&dir, 1, 2, Duration::from_secs(5)).expect("new");
+        assert_eq!(
+            ex1.all_gather(b"a1").expect("r1"),
+            vec![b"a0".to_vec(), b"a1".to_vec()]
+        );
+        assert_eq!(
+            ex1.all_gather(b"b1").expect("r1"),
+            vec![b"b0".to_vec(), b"b1".to_vec()]
+        );
+        let (a, b) = r0.join().expect("thread");
+        assert_eq!(a.expect("round 1"), vec![b"a0".to_vec(), b"a1".to_vec()]);
+        assert_eq!(b.expect("round 2"), vec![b"b0".to_vec(), b"b1".to_vec()]);
+        two_ranks_meet(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Fault matrix: a corrupt record (bytes no DirExchange wrote, e.g. of
+    /// an older version or another program) is not taken: `StaleRecord`
+    /// saying so within the timeout plus one second; then a group works.
+    #[test]
+    fn corrupt_records_are_not_taken() {
+        let dir = tmp_dir("corrupt");
+        std::fs::create_dir_all(&dir).expect("dir");
+        for junk in [&b""[..], b"\x00\x01\x02", &[0xffu8; 200][..]] {
+            std::fs::write(dir.join("round-1.rank-1"), junk).expect("write");
+            let timeout = Duration::from_millis(300);
+            let ex = DirExchange::new(&dir, 0, 2, timeout).expect("new");
+            let t = Instant::now();
+            match ex.all_gather(b"x") {
+                Err(Error::StaleRecord {
+                    rank: 1, reason, ..
+                }) => {
+                    assert!(reason.contains("corrupt"), "{reason}")
+                }
+                other => panic!("expected StaleRecord, got {other:?}"),
+            }
+            assert!(t.elapsed() < timeout + Duration::from_secs(1));
+        }
+        two_ranks_meet(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A rank seen in round 1 whose process exits before round 2 is
+    /// reported at once (`PeerExited`), not at the timeout.
+    #[test]
+    fn a_peer_that_exits_between_rounds_is_reported_at_once() {
+        let dir = tmp_dir("exited");
+        let dead = exited_pid();
+        let ex = DirExchange::new(&dir, 0, 2, Duration::from_secs(30)).expect("new");
+        // Round 1 from a live writer (this process, as rank 1 would be)...
+        let me = Writer::this_one();
+        forge_dir_record(&dir, 1, 1, me.pid, me.start, b"hello");
+        assert_eq!(ex.all_gather(b"x").expect("round 1")[1], b"hello".to_vec());
+        // ...whose record of round 2 comes from another process, which has
+        // exited: not rank 1's current writer. Make the known writer look
+        // exited (a dead pid) and wait: PeerExited well before 30 s.
+        ex.known.lock().expect("lock")[1] = Some(Writer {
+            pid: dead,
+            start: 0,
+            nonce: 1,
+        });
+        let t = Instant::now();
+        match ex.all_gather(b"y") {
+            Err(Error::PeerExited { rank: 1, pid }) => assert_eq!(pid, dead),
+            other => panic!("expected PeerExited, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn proc_stat_lines_parse_past_odd_command_names() {
+        let line = "4242 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 987654 20 21";
+        assert_eq!(parse_stat(line), Some(('S', 987654)));
+        let me = Writer::this_one();
+        assert_eq!(me.alive(), Some(true));
+        assert_eq!(
+            Writer {
+                pid: exited_pid(),
+                ..me
+            }
+            .alive(),
+            Some(false)
+        );
+        // The same id with another start time: another process.
+        assert_eq!(
+            Writer {
+                start: me.start + 1,
+                ..me
+            }
+            .alive(),
+            Some(false)
+        );
+    }
+
+    #[test]
+    fn new_removes_only_this_ranks_old_records() {
+        let dir = tmp_dir("own");
+        forge_dir_record(&dir, 1, 0, 1, 0, b"mine, old");
+        forge_dir_record(&dir, 1, 1, 1, 0, b"peer's");
+        std::fs::write(dir.join(".round-2.rank-0.99"), b"tmp").expect("tmp");
+        let _ex = DirExchange::new(&dir, 0, 2, Duration::from_secs(1)).expect("new");
+        assert!(!dir.join("round-1.rank-0").exists());
+        assert!(!dir.join(".round-2.rank-0.99").exists());
+        assert!(dir.join("round-1.rank-1").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

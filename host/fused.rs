@@ -62,6 +62,8 @@ impl NormPlan {
     /// (`ScratchTooSmall`), push_ll rows that do not fit its landing zone
     /// (`ZoneTooSmall`); push_ll rows off the register path
     /// (`NormPushLlShape`: the fused push_ll kernel has no other path).
+    /// `Auto` never refuses for room: zero-copy rows that do not fit the
+    /// scratch run one-stage where the table says two-stage (the same bits).
     /// `Auto` runs push_ll where the allreduce of the same bytes would (and
     /// for one rank, where no allreduce runs: push_ll then sends and waits
     /// for nothing), the rows fit its zone and take the register path, else
@@ -98,7 +100,7 @@ impl NormPlan {
         let reg_path = norm_reg_path(dtype.lanes(), hidden as u64, max_threads as u64);
         // Elements one thread holds on the register path.
         let per_thread = NORM_CHUNK * norm_reg_slots(dtype.lanes());
-        let algorithm = match choice {
+        let mut algorithm = match choice {
             AlgoChoice::Auto => match config.choose(AlgoChoice::Auto, total, world, link) {
                 _ if world <= 1 && total <= ll_zone && reg_path => Algorithm::PushLl,
                 Algorithm::TwoStage => Algorithm::TwoStage,
@@ -123,7 +125,15 @@ impl NormPlan {
             }
         };
         let rows_per_step = if inputs == Inputs::ZeroCopy {
-            // One launch; only two-stage needs room (scratch) for the sums.
+            // One launch; only two-stage needs room (scratch) for the sums:
+            // `Auto` runs one-stage there (the same bits), an explicit
+            // two-stage is refused.
+            if choice == AlgoChoice::Auto
+                && algorithm == Algorithm::TwoStage
+                && total > config.max_bytes
+            {
+                algorithm = Algorithm::OneStage;
+            }
             if algorithm == Algorithm::TwoStage && total > config.max_bytes {
                 return Err(Error::ScratchTooSmall {
                     bytes: total,
@@ -695,18 +705,20 @@ impl Collective {
             let off = (first * hidden) as u64 * size;
             for (m, (member, stream)) in self.members.iter().zip(streams).enumerate() {
                 // push_ll reads no peer's input: staged, each rank's rows are
-                // read in place (no copy) unless an output of the call
-                // overlaps them (a normed row written over x while another
-                // block still sends its packs), or they are not aligned.
+                // read in place (no copy) unless an output of the call, of
+                // any rank (other members' too: a PeerGroup's ranks on one
+                // GPU share an address space), overlaps them (a normed row
+                // written over x while another block still sends its
+                // packs), or they are not aligned.
                 let bytes = (rows * hidden) as u64 * size;
+                let writes = p.normed.iter().chain(&p.residual_out);
                 let direct = matches!(inputs, NormInputs::Staged)
                     && plan.algorithm == Algorithm::PushLl
                     && member.owns(self.world).all(|r| {
                         (p.inputs[r] + off) % BUFFER_ALIGN as u64 == 0
-                            && member.owns(self.world).all(|o| {
-                                disjoint(p.inputs[r], p.normed[o], bytes)
-                                    && disjoint(p.inputs[r], p.residual_out[o], bytes)
-                            })
+                            && writes
+                                .clone()
+                                .all(|&w| w == 0 || disjoint(p.inputs[r], w, bytes))
                     });
                 let table = match inputs {
                     NormInputs::Staged if direct => member.staged_table.ptr(),
@@ -1294,5 +1306,75 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![(0, 0)]
         );
+    }
+
+    /// Issue 31: a zero-copy fused call under `Auto` whose rows exceed the
+    /// scratch ran into `ScratchTooSmall` where the table says two-stage;
+    /// it runs one-stage (one launch, the same bits), as the README and the
+    /// groups' docs promise. An explicit two-stage is still refused.
+    #[test]
+    fn auto_zero_copy_runs_one_stage_where_the_scratch_is_short() {
+        let mut t = crate::thresholds::Thresholds::default();
+        t.set_bands(
+            Link::NvLink,
+            2,
+            vec![crate::thresholds::Band {
+                up_to: usize::MAX,
+                algorithm: Algorithm::TwoStage,
+            }],
+        )
+        .expect("valid bands");
+        let c = Config {
+            thresholds: t,
+            ..Config::with_max_bytes(64 << 10)
+        };
+        let zc = |rows, choice| {
+            NormPlan::new(
+                &c,
+                Dtype::F32,
+                rows,
+                4096,
+                2,
+                Link::NvLink,
+                choice,
+                Inputs::ZeroCopy,
+                1,
+            )
+        };
+        // 64 x 4096 f32 = 1 MiB of rows, 64 KiB of scratch.
+        let p = zc(64, AlgoChoice::Auto).expect("Auto must run, not refuse");
+        assert_eq!(p.algorithm, Algorithm::OneStage);
+        assert_eq!(p.steps().collect::<Vec<_>>(), vec![(0, 64)]);
+        // Rows that fit: two-stage, as the table says.
+        assert_eq!(
+            zc(4, AlgoChoice::Auto).expect("plan").algorithm,
+            Algorithm::TwoStage
+        );
+        assert!(matches!(
+            zc(64, AlgoChoice::TwoStage),
+            Err(Error::ScratchTooSmall {
+                bytes: 1_048_576,
+                capacity: 65_536
+            })
+        ));
+        // The issue's other shape, with the built-in table and the default
+        // config: 4096 x 8192 bf16 at world 8 (64 MiB > 32 MiB of scratch).
+        let d = Config::default();
+        for link in [Link::NvLink, Link::Pcie, Link::SameDevice] {
+            let p = NormPlan::new(
+                &d,
+                Dtype::Bf16,
+                4096,
+                8192,
+                8,
+                link,
+                AlgoChoice::Auto,
+                Inputs::ZeroCopy,
+                1,
+            )
+            .expect("Auto must run, not refuse");
+            assert_ne!(p.algorithm, Algorithm::TwoStage, "{link:?}");
+            assert_eq!(p.steps().count(), 1);
+        }
     }
 }

@@ -3,11 +3,12 @@
 //! median over replays. Used by `benches/allreduce.rs` and `p2p-allreduce bench`.
 
 use crate::abi::Algorithm;
+use crate::driver::DeviceAlloc;
 use crate::element::DeviceElement;
 use crate::error::{Context as _, Result};
 use crate::plan::AlgoChoice;
 use crate::VirtualGroup;
-use cudarc::driver::{sys, CudaSlice, CudaStream};
+use cudarc::driver::{sys, CudaStream};
 use std::sync::Arc;
 
 /// How to time one configuration.
@@ -60,25 +61,28 @@ pub fn time_registered<T: DeviceElement>(
             reg.copy_from(r, stream, &src)?;
         }
     }
-    let mut outs: Vec<CudaSlice<T>> = (0..group.world())
-        .map(|_| {
-            stream
-                .alloc_zeros::<T>(count.max(1))
-                .during("cuMemAlloc (bench output)")
-        })
-        .collect::<Result<_>>()?;
+    // Plain allocations, not cudarc slices: with cudarc's event tracking
+    // on (its default), taking a slice's pointer inside the capture would
+    // wait for an event recorded before it, which CUDA refuses.
+    let outs = (0..group.world())
+        .map(|_| DeviceAlloc::zeroed(group.kernels().context(), count.max(1) * T::DTYPE.size()))
+        .collect::<Result<Vec<_>>>()?;
+    let out_ptrs: Vec<u64> = outs.iter().map(DeviceAlloc::ptr).collect();
     let streams = [stream.clone()];
     let mut used = Algorithm::OneStage;
     let times = time_graphs(
         &streams,
         timing,
         || {
-            used = group.allreduce_registered(stream, &reg, count, &mut outs, algo)?;
+            // SAFETY: every output holds `count` elements and outlives the
+            // graph (dropped after `time_graphs` has waited for it).
+            used = unsafe { group.allreduce_registered_raw(stream, &reg, count, &out_ptrs, algo)? };
             Ok(())
         },
         || Ok(()),
         || group.check(stream),
     )?;
+    drop(outs);
     Ok(Sample::from_times(used, times))
 }
 

@@ -4,7 +4,7 @@
 
 use crate::abi::{Algorithm, Dtype};
 use crate::checks::{by_rank, check_count, check_world, count_of};
-use crate::collective::{Collective, Member, RankBuffers};
+use crate::collective::{settle, Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
@@ -40,9 +40,13 @@ pub enum Route {
 /// capture, and launch each rank's graph on its stream. Capture the streams
 /// in `CU_STREAM_CAPTURE_MODE_RELAXED` (ending one capture instantiates its
 /// graph, which thread-local mode refuses while the other streams still
-/// capture), and disable cudarc's event tracking on the contexts
-/// (`CudaContext::disable_event_tracking`), whose events cannot be recorded
-/// during capture.
+/// capture), and either disable cudarc's event tracking on the contexts
+/// (`CudaContext::disable_event_tracking`) before allocating the buffers
+/// you capture, or pass raw pointers ([`PeerGroup::allreduce_raw`],
+/// [`PeerGroup::allreduce_registered_raw`]): with the tracking on, taking a
+/// cudarc slice's pointer during capture waits for an event recorded
+/// before it, which CUDA refuses (the call returns
+/// `Error::CaptureInvalidated`).
 pub struct PeerGroup {
     core: Collective,
     #[cfg(feature = "nccl")]
@@ -215,7 +219,9 @@ impl PeerGroup {
         let o: Vec<u64> = outs.iter().map(|p| p.0).collect();
         // SAFETY: every pointer comes from a live slice or view of at least
         // `count` elements on its rank's device, guarded until enqueued.
-        unsafe { self.allreduce_raw(streams, T::DTYPE, count, &i, &o, algo) }
+        let r = unsafe { self.allreduce_raw(streams, T::DTYPE, count, &i, &o, algo) };
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        settle(r, (ins, outs), &s)
     }
 
     /// Fused allreduce + residual add + RMSNorm on every rank (rank r's
@@ -247,7 +253,7 @@ impl PeerGroup {
         // SAFETY: every pointer comes from a live slice or view on its
         // rank's device holding what `NormBuffers` checked, guarded until
         // the work is enqueued.
-        unsafe {
+        let r = unsafe {
             self.core.add_rmsnorm(
                 &refs,
                 T::DTYPE,
@@ -258,7 +264,53 @@ impl PeerGroup {
                 NormInputs::Staged,
                 algo,
             )
-        }
+        };
+        settle(r, b, &refs)
+    }
+
+    /// [`Self::allreduce_add_rmsnorm`] with the normed rows written over
+    /// each rank's input `x[r]` (staged: the inputs are read before they
+    /// are overwritten), as
+    /// [`VirtualGroup::allreduce_add_rmsnorm_in_place`](crate::VirtualGroup::allreduce_add_rmsnorm_in_place).
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
+    pub fn allreduce_add_rmsnorm_in_place<T, X, R, G>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        x: &mut [X],
+        residual: &mut [R],
+        gamma: &[&G],
+        eps: f32,
+        algo: AlgoChoice,
+    ) -> Result<Algorithm>
+    where
+        T: DeviceElement,
+        X: DevicePtrMut<T>,
+        R: DevicePtrMut<T>,
+        G: DevicePtr<T>,
+    {
+        check_count("streams", streams.len(), self.world())?;
+        let b = NormBuffers::in_place(self.world(), streams, x, residual, gamma, eps)?;
+        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: live buffers on their ranks' devices holding what
+        // `NormBuffers` checked, guarded until the work is enqueued; the
+        // inputs are staged, so writing the normed rows over them is
+        // allowed.
+        let r = unsafe {
+            self.core.add_rmsnorm(
+                &refs,
+                T::DTYPE,
+                b.rows,
+                b.hidden,
+                eps,
+                &b.ptrs,
+                NormInputs::Staged,
+                algo,
+            )
+        };
+        settle(r, b, &refs)
     }
 
     /// In-place allreduce: every rank's buffer is both input and output.
@@ -290,7 +342,9 @@ impl PeerGroup {
             .collect();
         let p: Vec<u64> = bufs.iter().map(|p| p.0).collect();
         // SAFETY: live buffers of `count` elements; inputs are staged.
-        unsafe { self.allreduce_raw(streams, T::DTYPE, count, &p, &p, algo) }
+        let r = unsafe { self.allreduce_raw(streams, T::DTYPE, count, &p, &p, algo) };
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        settle(r, bufs, &s)
     }
 
     /// [`PeerGroup::allreduce`] on raw device pointers: `inputs[r]` and
@@ -388,6 +442,32 @@ impl PeerGroup {
         let o = by_rank(outs.iter().map(|p| p.0));
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         // SAFETY: every output holds >= count elements (checked above).
+        let r = unsafe { self.core.registered(&s, reg, count, &o, algo) };
+        settle(r, outs, &s)
+    }
+
+    /// [`Self::allreduce_registered`] with raw output pointers (`outputs[r]`
+    /// on rank r's device): for outputs that are not cudarc slices, and for
+    /// graph capture with cudarc's event tracking on (see
+    /// `Error::CaptureInvalidated`).
+    ///
+    /// # Safety
+    /// `outputs[r]` must be valid for writes of `count` elements of `T`
+    /// until the work on `streams[r]` completes (for as long as a captured
+    /// graph can be launched), and must not overlap the registered buffers.
+    pub unsafe fn allreduce_registered_raw<T: DeviceElement>(
+        &self,
+        streams: &[Arc<CudaStream>],
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("streams", streams.len(), self.world())?;
+        check_count("outputs", outputs.len(), self.world())?;
+        let o = by_rank(outputs.iter().copied());
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: forwarded from the caller.
         unsafe { self.core.registered(&s, reg, count, &o, algo) }
     }
 
@@ -435,10 +515,11 @@ impl PeerGroup {
         // their ranks' devices holding what `NormBuffers` checked, guarded
         // until the work is enqueued; they cannot overlap the registered
         // buffers, which only `reg` owns.
-        unsafe {
+        let r = unsafe {
             self.core
                 .add_rmsnorm_registered(&refs, reg, b.rows, b.hidden, eps, &b.ptrs, algo)
-        }
+        };
+        settle(r, b, &refs)
     }
 
     /// Reports an error a kernel of this group has recorded so far (a peer
@@ -479,5 +560,29 @@ impl PeerGroup {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         self.core
             .launch_with_absent_ranks(&s, absent_ranks, dtype, algorithm, count)
+    }
+
+    /// Fault injection for the fused call, as
+    /// [`crate::VirtualGroup::add_rmsnorm_with_absent_ranks`]: one fused
+    /// allreduce + residual add + RMSNorm of `rows x hidden` elements of
+    /// `dtype` with `algorithm` over the group's own buffers, in which the
+    /// ranks in `absent_ranks` (bit r: rank r) leave at once; the others
+    /// wait for them until the timeout and record `PeerTimeout`, which
+    /// [`PeerGroup::check`] reports. Returns the algorithm that ran
+    /// (refusals as for the fused call; `rows * hidden` must fit
+    /// `Config::max_bytes`). Does not wait, as
+    /// [`Self::launch_with_absent_ranks`].
+    pub fn add_rmsnorm_with_absent_ranks(
+        &self,
+        streams: &[Arc<CudaStream>],
+        absent_ranks: u32,
+        dtype: Dtype,
+        algorithm: AlgoChoice,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<Algorithm> {
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        self.core
+            .add_rmsnorm_with_absent_ranks(&s, absent_ranks, dtype, rows, hidden, algorithm)
     }
 }

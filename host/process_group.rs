@@ -4,7 +4,7 @@
 
 use crate::abi::{Algorithm, Dtype, MAX_RANKS};
 use crate::checks::{check_world, count_of};
-use crate::collective::{Collective, Member, RankBuffers};
+use crate::collective::{settle, Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
@@ -94,10 +94,18 @@ fn agree_on_thresholds(
 impl ProcessGroup {
     /// Forms rank `exchange.rank()` of a group of `exchange.world()` processes.
     /// Every rank must pass the same `config`; a mismatch is reported.
+    ///
+    /// Three rounds of `exchange`: the ranks' identities
+    /// ([`crate::ipc::introduce`]: a group across hosts is refused with
+    /// `Error::CrossHost`, one across builds with `GroupMismatch`, both
+    /// before any CUDA call), the buffers' IPC records, and `Auto`'s table.
     pub fn new(ctx: &Arc<CudaContext>, exchange: &dyn Exchange, config: Config) -> Result<Self> {
         let (rank, world) = (exchange.rank(), exchange.world());
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
+        // Who the ranks are (build, host, process), before any CUDA call:
+        // a group across hosts or builds is refused here.
+        ipc::introduce(exchange)?;
         let kernels = Kernels::for_context(ctx, config.kernel_image)?;
         kernels.prepare(world, false, config.threads_per_block)?;
         let own = RankBuffers::new(ctx, &config, world)?;
@@ -183,11 +191,12 @@ impl ProcessGroup {
             },
             e => e,
         })?;
-        let (inp, _gi) = input.device_ptr(stream);
-        let (out, _go) = output.device_ptr_mut(stream);
+        let (inp, gi) = input.device_ptr(stream);
+        let (out, go) = output.device_ptr_mut(stream);
         // SAFETY: both are live, hold >= count elements and are guarded
         // until the work is enqueued on `stream`.
-        unsafe { self.allreduce_raw(stream, T::DTYPE, count, inp, out, algo) }
+        let r = unsafe { self.allreduce_raw(stream, T::DTYPE, count, inp, out, algo) };
+        settle(r, (gi, go), &[stream])
     }
 
     /// In-place allreduce of this rank's `buffer`.
@@ -206,9 +215,10 @@ impl ProcessGroup {
         B: DevicePtrMut<T>,
     {
         let count = buffer.len();
-        let (p, _g) = buffer.device_ptr_mut(stream);
+        let (p, g) = buffer.device_ptr_mut(stream);
         // SAFETY: a live buffer of `count` elements; the input is staged.
-        unsafe { self.allreduce_raw(stream, T::DTYPE, count, p, p, algo) }
+        let r = unsafe { self.allreduce_raw(stream, T::DTYPE, count, p, p, algo) };
+        settle(r, g, &[stream])
     }
 
     /// [`ProcessGroup::allreduce`] on raw device pointers of this rank's
@@ -275,15 +285,16 @@ impl ProcessGroup {
             std::iter::once(normed.len()),
             eps,
         )?;
-        let (i, _gi) = input.device_ptr(stream);
-        let (r, _gr) = residual.device_ptr_mut(stream);
-        let (g, _gg) = gamma.device_ptr(stream);
-        let (o, _go) = normed.device_ptr_mut(stream);
+        let (i, gi) = input.device_ptr(stream);
+        let (r, gr) = residual.device_ptr_mut(stream);
+        let (g, gg) = gamma.device_ptr(stream);
+        let (o, go) = normed.device_ptr_mut(stream);
         // SAFETY: live slices or views of this rank's device holding what
         // norm_shape checked, guarded until the work is enqueued.
-        unsafe {
+        let res = unsafe {
             self.allreduce_add_rmsnorm_raw(stream, T::DTYPE, rows, hidden, eps, [i, r, g, o], algo)
-        }
+        };
+        settle(res, (gi, gr, gg, go), &[stream])
     }
 
     /// [`ProcessGroup::allreduce_add_rmsnorm`] on raw device pointers

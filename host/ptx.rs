@@ -185,6 +185,54 @@ pub fn built_archs() -> Vec<&'static str> {
     MODULES.iter().map(|m| m.arch).collect()
 }
 
+/// An identity of this build of the kernels and their host protocol: a
+/// 64-bit hash of the crate version and every embedded PTX module (its
+/// architecture and text). Two processes with the same value run the same
+/// kernels; a `ProcessGroup` refuses peers whose value differs (their
+/// barriers, zones or records may not match). Computed once (a few
+/// milliseconds: tens of MB of PTX, eight bytes at a time).
+pub fn build_id() -> u64 {
+    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| {
+        let mut h = Hasher64::new();
+        h.write(env!("CARGO_PKG_VERSION").as_bytes());
+        for m in MODULES {
+            h.write(m.arch.as_bytes());
+            h.write(&(m.ptx.len() as u64).to_le_bytes());
+            h.write(m.ptx.as_bytes());
+        }
+        h.finish()
+    })
+}
+
+/// FNV-1a style hash over 8-byte words (not cryptographic: it tells builds
+/// apart, it does not resist forgery).
+struct Hasher64(u64);
+
+impl Hasher64 {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    fn new() -> Self {
+        Hasher64(0xcbf2_9ce4_8422_2325)
+    }
+    fn word(&mut self, w: u64) {
+        self.0 = (self.0 ^ w).wrapping_mul(Self::PRIME);
+        self.0 ^= self.0 >> 29;
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.word(u64::from_le_bytes(c.try_into().unwrap_or_default()));
+        }
+        let mut last = [0u8; 8];
+        let rest = chunks.remainder();
+        last[..rest.len()].copy_from_slice(rest);
+        self.word(u64::from_le_bytes(last) ^ ((rest.len() as u64) << 56));
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// Build-time `ptxas -v` numbers for one entry on one architecture.
 pub fn kernel_stats(arch: &str, entry: &str) -> Option<&'static KernelStats> {
     KERNEL_STATS

@@ -54,8 +54,9 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
     /// rank's device.
     ///
     /// # Panics
-    /// If `rank >= self.ranks()`, like slice indexing (and so does
-    /// [`RegisteredBuffers::copy_from`]).
+    /// If `rank >= self.ranks()`, like slice indexing
+    /// ([`RegisteredBuffers::copy_from`] returns `Error::RankOutOfRange`
+    /// instead).
     pub fn ptr(&self, rank: usize) -> u64 {
         assert!(
             rank < self.bufs.len(),
@@ -84,18 +85,29 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
         self.tables.iter().map(DeviceAlloc::ptr).collect()
     }
 
+    /// `Error::RankOutOfRange` unless `rank` names one of the buffers.
+    pub(crate) fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank >= self.bufs.len() {
+            return Err(Error::RankOutOfRange {
+                rank,
+                ranks: self.bufs.len(),
+            });
+        }
+        Ok(())
+    }
+
     /// Copies `src` (a slice or view) into the start of rank `rank`'s
     /// buffer, ordered on `stream` (a stream of that rank's device).
-    ///
-    /// # Panics
-    /// If `rank >= self.ranks()`, as [`RegisteredBuffers::ptr`].
+    /// `Error::RankOutOfRange` for a rank the buffers do not have,
+    /// `Error::BufferTooSmall` for a source longer than a buffer.
     pub fn copy_from(
         &self,
         rank: usize,
         stream: &Arc<CudaStream>,
         src: &impl DevicePtr<T>,
     ) -> Result<()> {
-        let dst = self.ptr(rank);
+        self.check_rank(rank)?;
+        let dst = self.bufs[rank].ptr();
         if src.len() > self.len {
             return Err(Error::BufferTooSmall {
                 what: "registered buffer",
@@ -104,10 +116,22 @@ impl<T: DeviceElement> RegisteredBuffers<T> {
                 need: src.len(),
             });
         }
-        let (p, _g) = src.device_ptr(stream);
+        let (p, g) = src.device_ptr(stream);
+        // With cudarc's event tracking on, taking the pointer inside a
+        // capture may have invalidated it (see `Error::CaptureInvalidated`).
+        if stream.context().is_managing_stream_synchronization() {
+            if let Some(cause) = crate::driver::capture_invalidated(stream)? {
+                drop(g);
+                let _ = stream.context().check_err();
+                return Err(Error::CaptureInvalidated { cause });
+            }
+        }
         // SAFETY: both ranges are live device memory of at least src.len()
         // elements; the guard orders the read after the source's writers.
-        unsafe { crate::driver::copy_dtod_async(stream, dst, p, src.len() * T::DTYPE.size()) }
+        let r =
+            unsafe { crate::driver::copy_dtod_async(stream, dst, p, src.len() * T::DTYPE.size()) };
+        drop(g);
+        r
     }
 }
 
@@ -119,6 +143,31 @@ impl<T: DeviceElement> Drop for RegisteredBuffers<T> {
         // check() (cudarc's deferred error), never dropped silently.
         for c in &self.ctxs {
             c.record_err(c.synchronize());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 31: `copy_from` returned `Result` but panicked on a bad rank;
+    /// the rank is checked first (no CUDA call is needed to see it).
+    #[test]
+    fn a_rank_outside_the_buffers_is_a_typed_error() {
+        let reg = RegisteredBuffers::<f32> {
+            bufs: Vec::new(),
+            tables: Vec::new(),
+            len: 0,
+            group: 0,
+            ctxs: Vec::new(),
+            _t: PhantomData,
+        };
+        for rank in [0, 1, 7, usize::MAX] {
+            match reg.check_rank(rank) {
+                Err(Error::RankOutOfRange { rank: r, ranks: 0 }) => assert_eq!(r, rank),
+                other => panic!("rank {rank}: {other:?}"),
+            }
         }
     }
 }

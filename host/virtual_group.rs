@@ -4,7 +4,7 @@
 
 use crate::abi::{Algorithm, Dtype, RankTable, MAX_RANKS};
 use crate::checks::{by_rank, check_count, check_world, count_of};
-use crate::collective::{Collective, Member, RankBuffers};
+use crate::collective::{settle, Collective, Member, RankBuffers};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
@@ -124,7 +124,8 @@ impl VirtualGroup {
         let o: Vec<u64> = outs.iter().map(|p| p.0).collect();
         // SAFETY: every pointer comes from a live slice or view of at least
         // `count` elements, guarded until the work is enqueued.
-        unsafe { self.allreduce_raw(stream, T::DTYPE, count, &i, &o, algo) }
+        let r = unsafe { self.allreduce_raw(stream, T::DTYPE, count, &i, &o, algo) };
+        settle(r, (ins, outs), &[stream])
     }
 
     /// In-place allreduce: every rank's buffer is both input and output.
@@ -155,7 +156,8 @@ impl VirtualGroup {
         let p: Vec<u64> = bufs.iter().map(|p| p.0).collect();
         // SAFETY: live buffers of `count` elements; inputs are staged, so
         // reading and writing the same buffer is allowed.
-        unsafe { self.allreduce_raw(stream, T::DTYPE, count, &p, &p, algo) }
+        let r = unsafe { self.allreduce_raw(stream, T::DTYPE, count, &p, &p, algo) };
+        settle(r, bufs, &[stream])
     }
 
     /// [`VirtualGroup::allreduce`] on raw device pointers. Inputs are
@@ -217,7 +219,7 @@ impl VirtualGroup {
         let b = NormBuffers::staged(self.world(), one, inputs, residual, gamma, eps, normed)?;
         // SAFETY: every pointer comes from a live slice or view holding
         // what `NormBuffers` checked, guarded until the work is enqueued.
-        unsafe {
+        let r = unsafe {
             self.core.add_rmsnorm(
                 &[stream],
                 T::DTYPE,
@@ -228,7 +230,8 @@ impl VirtualGroup {
                 NormInputs::Staged,
                 algo,
             )
-        }
+        };
+        settle(r, b, &[stream])
     }
 
     /// [`Self::allreduce_add_rmsnorm`] with the normed rows written over
@@ -252,7 +255,7 @@ impl VirtualGroup {
         let b = NormBuffers::in_place(self.world(), one, x, residual, gamma, eps)?;
         // SAFETY: live buffers holding what `NormBuffers` checked; inputs
         // are staged, so writing the normed rows over them is allowed.
-        unsafe {
+        let r = unsafe {
             self.core.add_rmsnorm(
                 &[stream],
                 T::DTYPE,
@@ -263,7 +266,8 @@ impl VirtualGroup {
                 NormInputs::Staged,
                 algo,
             )
-        }
+        };
+        settle(r, b, &[stream])
     }
 
     /// Allocates registered (zero-copy) input buffers of `len` elements per rank.
@@ -315,6 +319,31 @@ impl VirtualGroup {
             .collect();
         let o = by_rank(outs.iter().map(|p| p.0));
         // SAFETY: every output holds >= count elements (checked above).
+        let r = unsafe { self.core.registered(&[stream], reg, count, &o, algo) };
+        settle(r, outs, &[stream])
+    }
+
+    /// [`Self::allreduce_registered`] with raw output pointers (one per
+    /// rank): for callers whose outputs are not cudarc slices, and for
+    /// graph capture with cudarc's event tracking on, where taking a
+    /// slice's pointer waits for an event recorded before the capture
+    /// (`Error::CaptureInvalidated`).
+    ///
+    /// # Safety
+    /// `outputs[r]` must be valid for writes of `count` elements of `T`
+    /// until the work on `stream` completes (for as long as a captured
+    /// graph can be launched), and must not overlap the registered buffers.
+    pub unsafe fn allreduce_registered_raw<T: DeviceElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        reg: &RegisteredBuffers<T>,
+        count: usize,
+        outputs: &[u64],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("outputs", outputs.len(), self.world())?;
+        let o = by_rank(outputs.iter().copied());
+        // SAFETY: forwarded from the caller.
         unsafe { self.core.registered(&[stream], reg, count, &o, algo) }
     }
 
@@ -351,10 +380,11 @@ impl VirtualGroup {
         // holding what `NormBuffers` checked, guarded until the work is
         // enqueued; they cannot overlap the registered buffers, which only
         // `reg` owns.
-        unsafe {
+        let r = unsafe {
             self.core
                 .add_rmsnorm_registered(&[stream], reg, b.rows, b.hidden, eps, &b.ptrs, algo)
-        }
+        };
+        settle(r, b, &[stream])
     }
 
     /// Reports an error a kernel of this group has recorded so far (a peer

@@ -5,6 +5,10 @@
 #   scripts/gpu-check.sh build   # here: builds release binaries into .carry/bin
 #   scripts/gpu-check.sh run     # on the GPU machine, from the repo root:
 #                                # runs them; logs go to $OUT (default ./gpu-logs)
+#   scripts/gpu-check.sh soak [virtual|procs|both]
+#                                # on the GPU machine: `p2p-allreduce soak` on
+#                                # virtual ranks and/or two processes on GPU 0
+#                                # (minutes; SOAK_BUDGET seconds each, default 200)
 #
 # With the device tool: build here, then run `bash scripts/gpu-check.sh run`
 # there with carry [".carry"].
@@ -97,6 +101,29 @@ run)
   fi
   exit $status
   ;;
+soak)
+  # `soak [virtual|procs|both]`: each well under ten minutes with the
+  # default budget (SOAK_BUDGET seconds of timed replays, default 200).
+  OUT=${OUT:-gpu-logs}
+  mkdir -p "$OUT"
+  B=.carry/bin
+  [ -x "$B/p2p-allreduce" ] || { echo "gpu-check: $B/p2p-allreduce missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
+  status=0
+  budget=${SOAK_BUDGET:-200}
+  which=${2:-both}
+  set -o pipefail
+  if [ "$which" = virtual ] || [ "$which" = both ]; then
+    echo "== soak-virtual"
+    timeout $((budget + 300)) "$B/p2p-allreduce" soak --budget "$budget" --json "$OUT/soak-virtual.json" 2>&1 \
+      | tee "$OUT/soak-virtual.log" || { echo "== soak-virtual: FAILED"; status=1; }
+  fi
+  if [ "$which" = procs ] || [ "$which" = both ]; then
+    echo "== soak-procs-gpu0"
+    timeout $((budget + 300)) "$B/p2p-allreduce" soak --procs --gpus 0,0 --budget "$budget" \
+      --json "$OUT/soak-procs.json" 2>&1 | tee "$OUT/soak-procs.log" || { echo "== soak-procs-gpu0: FAILED"; status=1; }
+  fi
+  exit $status
+  ;;
 *)
-  echo "usage: $0 build|run" >&2; exit 2 ;;
+  echo "usage: $0 build|run|soak" >&2; exit 2 ;;
 esac

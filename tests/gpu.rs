@@ -12,8 +12,8 @@ use p2p_allreduce::ptx::{ImageChoice, LoadedImage, PtxBecause};
 use p2p_allreduce::reference::{self, values};
 use p2p_allreduce::validate::{self, Bits};
 use p2p_allreduce::{
-    driver, AlgoChoice, Config, DirExchange, Error, PeerGroup, ProcessGroup, RegisteredBuffers,
-    VirtualGroup,
+    driver, AlgoChoice, Config, DirExchange, Error, Exchange, PeerGroup, ProcessGroup,
+    RegisteredBuffers, VirtualGroup,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -51,6 +51,17 @@ fn main() {
         ("fused_push_ll_split_over_clusters", fused_push_ll_clusters),
         ("ipc_process_group_every_gpu", ipc_processes),
         ("killed_rank_process_times_out_and_recovers", killed_rank),
+        (
+            "peer_group_one_gpu_crossed_buffers_fused_in_place_and_faults",
+            peer_one_gpu_issue31,
+        ),
+        (
+            "fused_auto_zero_copy_beyond_scratch_every_group_kind",
+            fused_auto_beyond_scratch,
+        ),
+        ("capture_with_cudarc_event_tracking_on", capture_tracking_on),
+        ("process_group_across_hosts_is_refused", cross_host_refused),
+        ("fault_matrix_killed_rank_processes", fault_matrix),
         #[cfg(feature = "nccl")]
         ("nccl_group_and_routing_world_1", nccl_routed),
     ];
@@ -2065,6 +2076,23 @@ fn kill_child(rank: usize, mode: &str) -> Result<String, String> {
 
 fn ipc_child(rank: usize) -> i32 {
     let mode = std::env::var("P2P_IPC_MODE").unwrap_or_else(|_| "sweep".into());
+    if mode == "fault" || mode == "auto_fused" {
+        let r = if mode == "fault" {
+            fault_child(rank)
+        } else {
+            auto_fused_child(rank)
+        };
+        return match r {
+            Ok(msg) => {
+                println!("{msg}");
+                0
+            }
+            Err(e) => {
+                println!("rank {rank} ({mode}): {e}");
+                1
+            }
+        };
+    }
     if mode != "sweep" {
         return match kill_child(rank, &mode) {
             Ok(msg) => {
@@ -3477,4 +3505,1033 @@ fn fused_registered(g: &Gpu) {
         }
     }
     println!("  {cases} virtual-rank zero-copy fused cases (bit-exact, typed refusals untouched, 5 graph replays) and {peer_cases} PeerGroup ones");
+}
+
+// ---------------------------------------------------------------------------
+// Issue 31: bugs found by a downstream oracle, one host per group, and the
+// fault matrix. Each case a few seconds.
+
+/// A table whose `Auto` runs two-stage at every size, on every link, for
+/// every world: where a zero-copy call's rows exceed the scratch, `Auto`
+/// must then fall back to one-stage instead of refusing.
+fn two_stage_everywhere() -> p2p_allreduce::Thresholds {
+    let mut t = p2p_allreduce::Thresholds::default();
+    for link in [
+        p2p_allreduce::Link::SameDevice,
+        p2p_allreduce::Link::NvLink,
+        p2p_allreduce::Link::Pcie,
+    ] {
+        for world in 1..=abi::MAX_RANKS {
+            t.set_bands(
+                link,
+                world,
+                vec![p2p_allreduce::thresholds::Band {
+                    up_to: usize::MAX,
+                    algorithm: Algorithm::TwoStage,
+                }],
+            )
+            .expect("bands");
+        }
+    }
+    t
+}
+
+/// Milliseconds since the epoch (the rank processes and the suite share
+/// the host's clock).
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// Item 5 (a), (d): a PeerGroup of two ranks on GPU 0.
+/// - Staged `allreduce_raw` where rank 0's output is rank 1's input and the
+///   other way round (allowed: staged inputs are copied first), chunked,
+///   every algorithm and Auto: bit-exact. push_ll read an input in place
+///   that the other member's output overwrote (`direct_input` looked only
+///   at the launching member's ranks): wrong bits before the fix.
+/// - The fused call in place (new on PeerGroup): bit-exact, every algorithm.
+/// - Fused fault injection (new on PeerGroup): `PeerTimeout` naming the
+///   absent rank, `Poisoned` after, and a good call after `reset`.
+/// - `RegisteredBuffers::copy_from` with a bad rank: `RankOutOfRange`.
+fn peer_one_gpu_issue31(g: &Gpu) {
+    let timeout = Duration::from_millis(800);
+    let cfg = Config {
+        max_bytes: 256 << 10,
+        push_max_bytes: 256 << 10,
+        push_ll_max_bytes: 256 << 10,
+        push_two_stage_max_bytes: 256 << 10,
+        timeout,
+        ..Config::default()
+    };
+    let ctxs = [g.ctx.clone(), g.ctx.clone()];
+    let pg = PeerGroup::new(&ctxs, cfg).expect("PeerGroup on GPU 0 twice");
+    let streams: Vec<Arc<CudaStream>> = (0..2)
+        .map(|_| g.ctx.new_stream().expect("stream"))
+        .collect();
+    let len = 100_006usize;
+    let mut choices: Vec<AlgoChoice> = Algorithm::ALL.iter().map(|&a| a.into()).collect();
+    choices.push(AlgoChoice::Auto);
+    let mut crossed = 0;
+    for (k, &algo) in choices.iter().enumerate() {
+        for rep in 0..3u64 {
+            let seed = 31_000 + k as u64 * 10 + rep;
+            let inputs = values::adversarial_inputs(Dtype::F32, 2, len, seed, true);
+            let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference::allreduce_bits(Dtype::F32, &refs);
+            let bufs: Vec<CudaSlice<f32>> = inputs
+                .iter()
+                .zip(&streams)
+                .map(|(b, s)| upload_on::<f32>(s, b))
+                .collect();
+            for s in &streams {
+                s.synchronize().expect("sync");
+            }
+            let p: Vec<u64> = bufs
+                .iter()
+                .zip(&streams)
+                .map(|(b, s)| b.device_ptr(s).0)
+                .collect();
+            // SAFETY: both buffers hold `len` f32 and live until checked;
+            // each is one rank's input and the other rank's output.
+            let used =
+                unsafe { pg.allreduce_raw(&streams, Dtype::F32, len, &p, &[p[1], p[0]], algo) }
+                    .unwrap_or_else(|e| panic!("crossed {algo:?}: {e}"));
+            pg.check(&streams)
+                .unwrap_or_else(|e| panic!("crossed {algo:?}: {e}"));
+            if let Some(a) = algo.explicit() {
+                assert_eq!(used, a);
+            }
+            // Rank 0's output is buffer 1, rank 1's is buffer 0.
+            let got = vec![
+                download_on::<f32>(&streams[1], &bufs[1], len),
+                download_on::<f32>(&streams[0], &bufs[0], len),
+            ];
+            assert_ranks(
+                &format!("PeerGroup [0, 0] crossed buffers {algo:?} (ran {used:?}) seed {seed}"),
+                Dtype::F32,
+                &got,
+                &want,
+            );
+            crossed += 1;
+        }
+    }
+    // The fused call in place, every algorithm (push_ll where the rows
+    // take its register path).
+    let mut fused = 0;
+    for (dtype, rows, hidden) in [
+        (Dtype::F32, 5usize, 4096usize),
+        (Dtype::Bf16, 3, 7168),
+        (Dtype::F32, 3, 7),
+    ] {
+        for algo in [
+            AlgoChoice::OneStage,
+            AlgoChoice::TwoStage,
+            AlgoChoice::PushLl,
+            AlgoChoice::Auto,
+        ] {
+            if algo == AlgoChoice::PushLl && !takes_push_ll(dtype, hidden) {
+                continue;
+            }
+            let c = NormCase {
+                dtype,
+                world: 2,
+                rows,
+                hidden,
+                seed: 32_000 + fused as u64 * 3,
+            };
+            match dtype {
+                Dtype::F32 => peer_fused_in_place::<f32>(&pg, &streams, &c, algo),
+                _ => peer_fused_in_place::<half::bf16>(&pg, &streams, &c, algo),
+            }
+            fused += 1;
+        }
+    }
+    // Fused fault injection: rank 1 absent.
+    for algo in [AlgoChoice::OneStage, AlgoChoice::PushLl] {
+        let t = Instant::now();
+        let used = pg
+            .add_rmsnorm_with_absent_ranks(&streams, 0b10, Dtype::F32, algo, 2, 4096)
+            .unwrap_or_else(|e| panic!("fused fault injection {algo:?}: {e}"));
+        if let Some(a) = algo.explicit() {
+            assert_eq!(used, a);
+        }
+        match pg.check(&streams) {
+            Err(Error::PeerTimeout { rank: 0, peer: 1, .. }) => {}
+            other => panic!("fused fault injection {algo:?}: expected PeerTimeout of rank 0 naming 1, got {other:?}"),
+        }
+        assert!(
+            t.elapsed() < timeout + Duration::from_secs(1),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(
+            matches!(pg.poll(), Err(Error::Poisoned(_))),
+            "poisoned after the fault"
+        );
+        pg.reset().expect("reset");
+        let c = NormCase {
+            dtype: Dtype::F32,
+            world: 2,
+            rows: 2,
+            hidden: 4096,
+            seed: 33_000,
+        };
+        peer_fused_in_place::<f32>(&pg, &streams, &c, algo);
+    }
+    // copy_from with a rank the buffers do not have: typed, no panic.
+    let reg = pg.alloc_registered::<f32>(16).expect("registered");
+    let src = upload_on::<f32>(&streams[0], &[1.0f32.to_bits(); 16]);
+    match reg.copy_from(2, &streams[0], &src) {
+        Err(Error::RankOutOfRange { rank: 2, ranks: 2 }) => {}
+        other => panic!("copy_from rank 2 of 2: expected RankOutOfRange, got {other:?}"),
+    }
+    println!(
+        "  PeerGroup on GPU 0 twice: {crossed} crossed-buffer allreduces (every algorithm and Auto, \
+         {len} f32, 2 chunks) bit-exact; {fused} fused calls in place bit-exact; fused fault injection \
+         (one-stage, push_ll): PeerTimeout naming rank 1, Poisoned, reset, bit-exact again; copy_from \
+         rank 2: RankOutOfRange"
+    );
+}
+
+/// One in-place fused call of a PeerGroup (one stream per rank), every
+/// rank's residual out and normed rows (over x) against the oracle.
+fn peer_fused_in_place<T: Bits>(
+    pg: &PeerGroup,
+    streams: &[Arc<CudaStream>],
+    c: &NormCase,
+    algo: AlgoChoice,
+) {
+    let count = c.rows * c.hidden;
+    let (x, res, gam, want) = c.data();
+    let what = format!(
+        "PeerGroup fused in place {:?} rows {} hidden {} {algo:?}",
+        c.dtype, c.rows, c.hidden
+    );
+    let mut xs: Vec<CudaSlice<T>> = x
+        .iter()
+        .zip(streams)
+        .map(|(b, s)| upload_on(s, b))
+        .collect();
+    let mut rs: Vec<CudaSlice<T>> = res
+        .iter()
+        .zip(streams)
+        .map(|(b, s)| upload_on(s, b))
+        .collect();
+    let gs: Vec<CudaSlice<T>> = gam
+        .iter()
+        .zip(streams)
+        .map(|(b, s)| upload_on(s, b))
+        .collect();
+    for s in streams {
+        s.synchronize().expect("sync");
+    }
+    let gr: Vec<&CudaSlice<T>> = gs.iter().collect();
+    let used = pg
+        .allreduce_add_rmsnorm_in_place(streams, &mut xs, &mut rs, &gr, NORM_EPS, algo)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    pg.check(streams).unwrap_or_else(|e| panic!("{what}: {e}"));
+    if let Some(a) = algo.explicit() {
+        assert_eq!(used, a, "{what}");
+    }
+    for r in 0..c.world {
+        let got = (
+            download_on(&streams[r], &rs[r], count),
+            download_on(&streams[r], &xs[r], count),
+        );
+        check_norm_rank(&what, c.dtype, r, (&got.0, &got.1), &want[r]);
+    }
+}
+
+/// Item 5 (b): a zero-copy fused call under `Auto` whose rows (64 x 4096
+/// f32 = 1 MiB) exceed the scratch (64 KiB), with a table that says
+/// two-stage: it runs one-stage, bit-exact, on a VirtualGroup, a PeerGroup
+/// (GPU 0 twice; across GPUs 0 and 1 where there are two) and a
+/// ProcessGroup of two processes on GPU 0. An explicit two-stage is
+/// refused (`ScratchTooSmall`, nothing written). Before the fix, `Auto`
+/// returned `ScratchTooSmall`.
+fn fused_auto_beyond_scratch(g: &Gpu) {
+    let cfg = fused_auto_config();
+    let c = NormCase {
+        dtype: Dtype::F32,
+        world: 2,
+        rows: 64,
+        hidden: 4096,
+        seed: 34_000,
+    };
+    let count = c.rows * c.hidden;
+    let (_, _, _, want) = c.data();
+    // Virtual ranks.
+    let grp = VirtualGroup::new(&g.ctx, 2, cfg.clone()).expect("group");
+    let reg = grp.alloc_registered::<f32>(count).expect("registered");
+    for algo in [AlgoChoice::Auto, AlgoChoice::TwoStage] {
+        let r = run_fused_registered::<f32>(
+            std::slice::from_ref(&g.stream),
+            &reg,
+            &c,
+            &mut |rs, gs, outs| {
+                let gr: Vec<&_> = gs.iter().collect();
+                let r = grp.allreduce_add_rmsnorm_registered(
+                    &g.stream, &reg, count, rs, &gr, NORM_EPS, outs, algo,
+                );
+                grp.check(&g.stream).expect("check");
+                r
+            },
+        );
+        fused_auto_outcome("VirtualGroup", algo, r, &want);
+    }
+    // Real ranks: GPU 0 twice, and across GPUs where there are two.
+    let ctxs = all_gpus(g);
+    let mut places = vec![vec![0usize, 0]];
+    if ctxs.len() >= 2 {
+        places.push(vec![0, 1]);
+    }
+    for place in &places {
+        let (pg, streams) = peer_setup(&ctxs, place, cfg.clone());
+        let reg = pg.alloc_registered::<f32>(count).expect("registered");
+        for algo in [AlgoChoice::Auto, AlgoChoice::TwoStage] {
+            let r = run_fused_registered::<f32>(&streams, &reg, &c, &mut |rs, gs, outs| {
+                let gr: Vec<&_> = gs.iter().collect();
+                let r = pg.allreduce_add_rmsnorm_registered(
+                    &streams, &reg, count, rs, &gr, NORM_EPS, outs, algo,
+                );
+                pg.check(&streams).expect("check");
+                r
+            });
+            fused_auto_outcome(&format!("PeerGroup {place:?}"), algo, r, &want);
+        }
+    }
+    // Two processes on GPU 0.
+    let dir = ipc_dir("auto-fused");
+    let children: Vec<_> = (0..2)
+        .map(|r| spawn_rank("auto_fused", r, 2, 0, &dir))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut failures = Vec::new();
+    for (r, ch) in children.into_iter().enumerate() {
+        match wait_rank(ch, deadline) {
+            (true, text) => println!("  ProcessGroup rank {r}: {}", text.trim()),
+            (false, text) => failures.push(format!("rank {r}: {text}")),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    println!(
+        "  64 x 4096 f32 zero-copy, 64 KiB scratch, table says two-stage: Auto ran one-stage bit-exact on \
+         VirtualGroup, PeerGroup {places:?} and a ProcessGroup of two processes on GPU 0; explicit \
+         two-stage refused (ScratchTooSmall, nothing written)"
+    );
+}
+
+fn fused_auto_config() -> Config {
+    Config {
+        max_bytes: 64 << 10,
+        push_ll_max_bytes: 64 << 10,
+        thresholds: two_stage_everywhere(),
+        ..Config::default()
+    }
+}
+
+/// A zero-copy fused case's outcome: the algorithm that ran and every
+/// rank's (residual out, normed rows), or the refusal.
+type FusedOutcome = p2p_allreduce::Result<(Algorithm, Vec<(Vec<u32>, Vec<u32>)>)>;
+
+/// What `fused_auto_beyond_scratch` expects of `algo`: Auto runs one-stage
+/// and every rank is bit-exact; two-stage is refused.
+fn fused_auto_outcome(
+    what: &str,
+    algo: AlgoChoice,
+    r: FusedOutcome,
+    want: &[(Vec<u32>, Vec<u32>)],
+) {
+    match (algo, r) {
+        (AlgoChoice::Auto, Ok((used, got))) => {
+            assert_eq!(used, Algorithm::OneStage, "{what}: Auto");
+            for (r, (res, norm)) in got.iter().enumerate() {
+                check_norm_rank(
+                    &format!("{what} Auto"),
+                    Dtype::F32,
+                    r,
+                    (res, norm),
+                    &want[r],
+                );
+            }
+        }
+        (AlgoChoice::Auto, Err(e)) => panic!("{what}: Auto refused a zero-copy fused call: {e}"),
+        (_, Err(Error::ScratchTooSmall { .. })) => {}
+        (a, other) => panic!(
+            "{what}: {a:?}: expected ScratchTooSmall, got {:?}",
+            other.map(|x| x.0)
+        ),
+    }
+}
+
+/// The ProcessGroup side of `fused_auto_beyond_scratch` (two processes).
+fn auto_fused_child(rank: usize) -> Result<String, String> {
+    let env = |k: &str| std::env::var(k).map_err(|e| format!("{k}: {e}"));
+    let gpu: usize = env("P2P_IPC_GPU")?.parse().map_err(|e| format!("{e}"))?;
+    let dir = std::path::PathBuf::from(env("P2P_IPC_DIR")?);
+    let ctx = driver::open_device(gpu).map_err(|e| e.to_string())?;
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let ex = DirExchange::new(&dir, rank, 2, Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let group = ProcessGroup::new(&ctx, &ex, fused_auto_config()).map_err(|e| e.to_string())?;
+    let c = NormCase {
+        dtype: Dtype::F32,
+        world: 2,
+        rows: 64,
+        hidden: 4096,
+        seed: 34_000,
+    };
+    let count = c.rows * c.hidden;
+    let (x, res, gam, want) = c.data();
+    let e = |e: Error| e.to_string();
+    let reg = driver::DeviceAlloc::zeroed(&ctx, count * 4).map_err(e)?;
+    // SAFETY: `reg` outlives the group's use of it.
+    unsafe { group.register_buffer(&ex, reg.ptr(), count * 4) }.map_err(e)?;
+    reg.write(&x[rank]).map_err(e)?;
+    let fres = driver::DeviceAlloc::zeroed(&ctx, count * 4).map_err(e)?;
+    let fgam = driver::DeviceAlloc::zeroed(&ctx, c.hidden * 4).map_err(e)?;
+    let fout = driver::DeviceAlloc::zeroed(&ctx, count * 4).map_err(e)?;
+    let mut lines = Vec::new();
+    for algo in [AlgoChoice::Auto, AlgoChoice::TwoStage] {
+        fres.write(&res[rank]).map_err(e)?;
+        fgam.write(&gam[rank]).map_err(e)?;
+        fout.write(&vec![poison::<f32>().to_bits(); count])
+            .map_err(e)?;
+        // SAFETY: the input lies in `reg`; the others hold count / hidden
+        // f32 and live until the check below.
+        let r = unsafe {
+            group.allreduce_add_rmsnorm_registered_raw(
+                &stream,
+                Dtype::F32,
+                c.rows,
+                c.hidden,
+                NORM_EPS,
+                [reg.ptr(), fres.ptr(), fgam.ptr(), fout.ptr()],
+                algo,
+            )
+        };
+        group.check(&stream).map_err(e)?;
+        let mut got_res = vec![0u32; count];
+        let mut got_norm = vec![0u32; count];
+        fres.read(&mut got_res).map_err(e)?;
+        fout.read(&mut got_norm).map_err(e)?;
+        match (algo, r) {
+            (AlgoChoice::Auto, Ok(Algorithm::OneStage)) => {
+                norm_mismatch(
+                    "ProcessGroup Auto",
+                    Dtype::F32,
+                    rank,
+                    (&got_res, &got_norm),
+                    &want[rank],
+                )?;
+                lines.push("Auto ran one-stage, bit-exact".to_string());
+            }
+            (AlgoChoice::Auto, other) => {
+                return Err(format!("Auto: expected Ok(OneStage), got {other:?}"))
+            }
+            (_, Err(Error::ScratchTooSmall { .. })) => {
+                if got_res != res[rank] || got_norm.iter().any(|&b| b != poison::<f32>().to_bits())
+                {
+                    return Err("the refused two-stage wrote its outputs".into());
+                }
+                lines.push("two-stage refused (ScratchTooSmall), nothing written".to_string());
+            }
+            (a, other) => return Err(format!("{a:?}: expected ScratchTooSmall, got {other:?}")),
+        }
+    }
+    Ok(lines.join("; "))
+}
+
+/// Item 5 (c): graph capture under cudarc's defaults (a fresh context
+/// object of GPU 0: event tracking on, several streams).
+/// - `measure::time_registered` (failed with
+///   `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` before): times, results checked.
+/// - A typed call whose output slices carry cudarc's events, captured:
+///   `Error::CaptureInvalidated` (which says what to do), the capture ends
+///   cleanly and the group stays healthy (if the driver lets the capture
+///   go on instead, the call must have captured correctly: checked).
+/// - The raw registered call captured: every replay bit-exact.
+///
+/// The ProcessGroup capture paths take raw pointers and run under the
+/// defaults in every IPC case of this suite (their rank processes never
+/// turn the tracking off).
+fn capture_tracking_on(_g: &Gpu) {
+    let ctx = driver::open_device(0).expect("GPU 0");
+    assert!(ctx.is_event_tracking(), "a fresh context tracks events");
+    let stream = ctx.new_stream().expect("stream");
+    let _second = ctx.new_stream().expect("stream"); // several streams: tracking active
+    assert!(ctx.is_managing_stream_synchronization());
+    let grp = VirtualGroup::new(&ctx, 2, Config::with_max_bytes(1 << 20)).expect("group");
+    let n = 8192usize;
+    let fill: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * 0.25 - 3.0).collect();
+    let sample = p2p_allreduce::measure::time_registered(
+        &grp,
+        &stream,
+        n,
+        &fill,
+        AlgoChoice::Auto,
+        p2p_allreduce::measure::Timing {
+            per_graph: 5,
+            warmup: 1,
+            replays: 3,
+        },
+    )
+    .unwrap_or_else(|e| panic!("measure::time_registered under cudarc's defaults: {e}"));
+    assert!(sample.median_us > 0.0);
+    // A typed call inside a capture, outputs with events.
+    let reg = grp.alloc_registered::<f32>(n).expect("registered");
+    let inputs = values::adversarial_inputs(Dtype::F32, 2, n, 35_000, true);
+    let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let want = reference::allreduce_bits(Dtype::F32, &refs);
+    for (r, b) in inputs.iter().enumerate() {
+        reg.copy_from(r, &stream, &upload_on::<f32>(&stream, b))
+            .expect("input");
+    }
+    let mut outs: Vec<CudaSlice<f32>> = (0..2).map(|_| poisoned_on::<f32>(&stream, n)).collect();
+    stream.synchronize().expect("sync");
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    let r = grp.allreduce_registered(&stream, &reg, n, &mut outs, AlgoChoice::OneStage);
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    let typed = match (r, ended) {
+        (Err(Error::CaptureInvalidated { cause }), ended) => {
+            assert!(ended.is_err() || matches!(ended, Ok(None)), "an invalidated capture ended with a graph");
+            println!("  typed call with tracked slices in a capture: CaptureInvalidated ({cause})");
+            true
+        }
+        (Ok(_), Ok(Some(graph))) => {
+            graph.launch().expect("launch");
+            grp.check(&stream).expect("check");
+            let got: Vec<Vec<u32>> = outs.iter().map(|o| download_on(&stream, o, n)).collect();
+            assert_ranks("typed call captured with tracking on", Dtype::F32, &got, &want);
+            println!("  typed call with tracked slices in a capture: the driver let it go on; replay bit-exact");
+            false
+        }
+        (r, ended) => panic!(
+            "typed call in a capture with tracking on: expected CaptureInvalidated or a working graph, got {r:?} / {:?}",
+            ended.map(|g| g.is_some())
+        ),
+    };
+    grp.check(&stream)
+        .expect("the group is healthy after the refused capture");
+    // Raw outputs: the capture works, every replay bit-exact.
+    let raw: Vec<driver::DeviceAlloc> = (0..2)
+        .map(|_| driver::DeviceAlloc::zeroed(&ctx, n * 4).expect("alloc"))
+        .collect();
+    let ptrs: Vec<u64> = raw.iter().map(|a| a.ptr()).collect();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    // SAFETY: both outputs hold n f32 and outlive the graph.
+    let r = unsafe { grp.allreduce_registered_raw(&stream, &reg, n, &ptrs, AlgoChoice::OneStage) };
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .expect("end capture")
+        .expect("a graph");
+    r.expect("raw registered call in a capture with tracking on");
+    for it in 0..3u64 {
+        let inputs = values::adversarial_inputs(Dtype::F32, 2, n, 35_100 + it, true);
+        let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+        let want = reference::allreduce_bits(Dtype::F32, &refs);
+        for (r, b) in inputs.iter().enumerate() {
+            reg.copy_from(r, &stream, &upload_on::<f32>(&stream, b))
+                .expect("input");
+        }
+        stream.synchronize().expect("sync");
+        for a in &raw {
+            a.write(&vec![poison::<f32>().to_bits(); n])
+                .expect("poison");
+        }
+        graph.launch().expect("launch");
+        grp.check(&stream).expect("check");
+        let got: Vec<Vec<u32>> = raw
+            .iter()
+            .map(|a| {
+                let mut v = vec![0u32; n];
+                a.read(&mut v).expect("read");
+                v
+            })
+            .collect();
+        assert_ranks(&format!("raw capture replay {it}"), Dtype::F32, &got, &want);
+    }
+    println!(
+        "  cudarc defaults (tracking on): time_registered {:.2} us ({:?}); typed capture {}; raw capture: 3 replays bit-exact",
+        sample.median_us,
+        sample.algorithm,
+        if typed { "refused, typed" } else { "worked" }
+    );
+}
+
+/// An exchange of one real rank (rank 0 of 2) whose rank 1 is forged from
+/// rank 0's identity record, as if it ran on `host` (boot id `boot`).
+struct OtherHost {
+    host: &'static str,
+    boot: &'static str,
+    rounds: std::cell::Cell<usize>,
+}
+
+impl Exchange for OtherHost {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        2
+    }
+    fn all_gather(&self, mine: &[u8]) -> p2p_allreduce::Result<Vec<Vec<u8>>> {
+        self.rounds.set(self.rounds.get() + 1);
+        let text = String::from_utf8_lossy(mine);
+        let peer: String = text
+            .lines()
+            .map(|l| match l.split_once('=') {
+                Some(("rank", _)) => "rank=1".to_string(),
+                Some(("pid", p)) => format!("pid={}", p.parse::<u64>().unwrap_or(0) + 1),
+                Some(("host", _)) => format!("host={}", self.host),
+                Some(("boot", _)) => format!("boot={}", self.boot),
+                _ => l.to_string(),
+            })
+            .map(|l| l + "\n")
+            .collect();
+        Ok(vec![mine.to_vec(), peer.into_bytes()])
+    }
+}
+
+/// Item 3: a ProcessGroup whose rank 1 reports another host is refused
+/// with `CrossHost` in the first round of the rendezvous: no buffer
+/// allocated, no IPC handle opened (the driver layer's counts unchanged),
+/// no second round.
+fn cross_host_refused(g: &Gpu) {
+    let before = driver::live_handles();
+    let ex = OtherHost {
+        host: "another-host",
+        boot: "ffffffff-0000-0000-0000-000000000000",
+        rounds: std::cell::Cell::new(0),
+    };
+    match ProcessGroup::new(&g.ctx, &ex, Config::with_max_bytes(1 << 20)) {
+        Err(Error::CrossHost {
+            rank: 0,
+            peer: 1,
+            ref peer_host,
+            ..
+        }) if peer_host.starts_with("another-host") => {
+            let msg = ProcessGroup::new(&g.ctx, &ex, Config::with_max_bytes(1 << 20))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(msg.contains("NCCL"), "{msg}");
+            println!("  {msg}");
+        }
+        other => panic!("expected CrossHost naming rank 1 on another-host, got {other:?}"),
+    }
+    assert_eq!(
+        ex.rounds.get(),
+        2,
+        "one round per attempt: refused in the identity round"
+    );
+    assert_eq!(
+        driver::live_handles(),
+        before,
+        "nothing allocated or opened"
+    );
+}
+
+// --- Fault matrix (item 6): a rank process killed during the rendezvous,
+// a graph replay, a fused call and buffer registration.
+
+/// The peer timeout of the fault matrix's groups, and the rendezvous's.
+const FAULT_TIMEOUT: Duration = Duration::from_secs(2);
+const FAULT_RENDEZVOUS: Duration = Duration::from_secs(20);
+
+/// An exchange that pauses (for good) before its `at`-th round, after
+/// leaving `marker`: where the fault matrix kills the process.
+struct PauseBefore<'a> {
+    inner: &'a DirExchange,
+    at: usize,
+    calls: std::cell::Cell<usize>,
+    marker: std::path::PathBuf,
+}
+
+impl Exchange for PauseBefore<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn all_gather(&self, mine: &[u8]) -> p2p_allreduce::Result<Vec<Vec<u8>>> {
+        let n = self.calls.get() + 1;
+        self.calls.set(n);
+        if n == self.at {
+            let _ = std::fs::write(&self.marker, b"");
+            std::thread::sleep(Duration::from_secs(120));
+        }
+        self.inner.all_gather(mine)
+    }
+}
+
+fn fault_config() -> Config {
+    Config {
+        max_bytes: 256 << 10,
+        timeout: FAULT_TIMEOUT,
+        ..Config::default()
+    }
+}
+
+/// Every algorithm once, bit-exact, on a (new) group: the "works
+/// afterwards" half of each fault case.
+fn fault_rounds(group: &ProcessGroup, stream: &Arc<CudaStream>) -> Result<(), String> {
+    for (k, algo) in Algorithm::ALL.into_iter().enumerate() {
+        ipc_allreduce(group, stream, 10_007, 60 + k as u64, algo)
+            .map_err(|e| format!("{algo:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// One rank process of the fault matrix: `P2P_FAULT_CASE` (rendezvous,
+/// replay, fused, register) and `P2P_FAULT_ROLE` (survivor, victim,
+/// rejoin). The survivor prints its error and when it came
+/// (`error_at_ms=`), forms a new group in the same directory with the
+/// rejoining rank and checks every algorithm bit-exact.
+fn fault_child(rank: usize) -> Result<String, String> {
+    let env = |k: &str| std::env::var(k).map_err(|e| format!("{k}: {e}"));
+    let case = env("P2P_FAULT_CASE")?;
+    let role = env("P2P_FAULT_ROLE")?;
+    let gpu: usize = env("P2P_IPC_GPU")?.parse().map_err(|e| format!("{e}"))?;
+    let dir = std::path::PathBuf::from(env("P2P_IPC_DIR")?);
+    let ctx = driver::open_device(gpu).map_err(|e| e.to_string())?;
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let es = |e: Error| e.to_string();
+    let exchange = || DirExchange::new(&dir, rank, 2, FAULT_RENDEZVOUS).map_err(es);
+    let victim_at = match case.as_str() {
+        "rendezvous" => 2, // after the identity round, before the IPC records
+        "register" => 4,   // the group's three rounds, then register_buffer's
+        _ => 0,
+    };
+    let marker = dir.join("victim-running");
+    let len = 10_007usize;
+    let buf = driver::DeviceAlloc::zeroed(&ctx, len * 4).map_err(es)?;
+    let out = driver::DeviceAlloc::zeroed(&ctx, len * 4).map_err(es)?;
+    if role == "victim" {
+        let ex = exchange()?;
+        let pausing = PauseBefore {
+            inner: &ex,
+            at: victim_at,
+            calls: std::cell::Cell::new(0),
+            marker: marker.clone(),
+        };
+        let group = ProcessGroup::new(&ctx, &pausing, fault_config()).map_err(es)?;
+        match case.as_str() {
+            // SAFETY: `buf` outlives the group.
+            "register" => unsafe { group.register_buffer(&pausing, buf.ptr(), len * 4) }
+                .map(|_| ())
+                .map_err(es)?,
+            "replay" | "fused" => {
+                let t0 = Instant::now();
+                let mut run = fault_work(&case, &group, &pausing, &stream, &buf, &out)?;
+                for i in 0..u64::MAX {
+                    run(i).map_err(|f| f.to_string())?;
+                    if i == 20 {
+                        std::fs::write(&marker, b"").map_err(|e| e.to_string())?;
+                    }
+                    if t0.elapsed() > Duration::from_secs(120) {
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+        return Err("the victim was never killed".into());
+    }
+    if role == "rejoin" {
+        let ex = exchange()?;
+        let group = ProcessGroup::new(&ctx, &ex, fault_config()).map_err(es)?;
+        fault_rounds(&group, &stream)?;
+        return Ok("rejoined: every algorithm bit-exact".into());
+    }
+    // The survivor.
+    let ex = exchange()?;
+    let t0 = Instant::now();
+    let (err, done) = 'failed: {
+        let group = match ProcessGroup::new(&ctx, &ex, fault_config()) {
+            Ok(g) => g,
+            Err(e) => break 'failed (e, 0),
+        };
+        if case == "register" {
+            // SAFETY: `buf` outlives the group.
+            match unsafe { group.register_buffer(&ex, buf.ptr(), len * 4) } {
+                Ok(_) => return Err("registration succeeded without the killed peer".into()),
+                Err(e) => break 'failed (e, 0),
+            }
+        }
+        let mut run = fault_work(&case, &group, &ex, &stream, &buf, &out)?;
+        let mut done = 0u64;
+        loop {
+            match run(done) {
+                Ok(()) => done += 1,
+                Err(Fail::Wrong(e)) => return Err(format!("call {done}: {e}")),
+                Err(Fail::Typed(e)) => {
+                    drop(run);
+                    // Kernel errors poison the group until reset.
+                    if !matches!(group.poll(), Err(Error::Poisoned(_))) {
+                        return Err(format!("after {e}: the group is not poisoned"));
+                    }
+                    group.reset().map_err(|e| format!("reset: {e}"))?;
+                    break 'failed (e, done);
+                }
+            }
+            if t0.elapsed() > Duration::from_secs(120) {
+                return Err(format!(
+                    "no error after {done} calls: the peer's death was not noticed"
+                ));
+            }
+        }
+    };
+    let at = unix_ms();
+    let name = format!("{err:?}");
+    let name = name
+        .split([' ', '(', '{'])
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    // A new group in the same directory (this rank's old records removed
+    // by the new exchange first; the dead rank's are not taken).
+    let ex2 = exchange()?;
+    std::fs::write(dir.join("survivor-second"), b"").map_err(|e| e.to_string())?;
+    let group =
+        ProcessGroup::new(&ctx, &ex2, fault_config()).map_err(|e| format!("the new group: {e}"))?;
+    fault_rounds(&group, &stream)?;
+    Ok(format!(
+        "case={case} error_at_ms={at} error={name} calls_before={done} message={err}; a new group in the same \
+         directory: every algorithm bit-exact"
+    ))
+}
+
+/// How one call of the fault matrix's repeated work failed: a typed error
+/// of the library, or anything else (wrong bits, a failed copy).
+enum Fail {
+    Typed(Error),
+    Wrong(String),
+}
+
+impl std::fmt::Display for Fail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fail::Typed(e) => write!(f, "{e}"),
+            Fail::Wrong(e) => f.write_str(e),
+        }
+    }
+}
+
+/// The repeated work of the replay and fused cases, one call per `i`,
+/// as a closure.
+#[allow(clippy::type_complexity)]
+fn fault_work<'a>(
+    case: &str,
+    group: &'a ProcessGroup,
+    ex: &'a dyn Exchange,
+    stream: &'a Arc<CudaStream>,
+    buf: &'a driver::DeviceAlloc,
+    out: &'a driver::DeviceAlloc,
+) -> Result<Box<dyn FnMut(u64) -> Result<(), Fail> + 'a>, String> {
+    let wrong = |e: &dyn std::fmt::Display| Fail::Wrong(e.to_string());
+    let len = buf.bytes() / 4;
+    let rank = group.rank();
+    match case {
+        "replay" => {
+            stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| e.to_string())?;
+            // SAFETY: `buf` and `out` hold len f32 and outlive the graph.
+            let captured = unsafe {
+                group.allreduce_in_graph(
+                    stream,
+                    Dtype::F32,
+                    len,
+                    buf.ptr(),
+                    out.ptr(),
+                    AlgoChoice::OneStage,
+                )
+            };
+            let graph = stream
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .map_err(|e| e.to_string())?
+                .ok_or("empty graph")?;
+            captured.map_err(|e| e.to_string())?;
+            group.register_captured(ex).map_err(|e| e.to_string())?;
+            let inputs = values::adversarial_inputs(Dtype::F32, 2, len, 36_000, true);
+            let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference::allreduce_bits(Dtype::F32, &refs);
+            buf.write(&inputs[rank]).map_err(|e| e.to_string())?;
+            Ok(Box::new(move |i| {
+                if i % 10 == 0 {
+                    out.write(&vec![poison::<f32>().to_bits(); len])
+                        .map_err(|e| wrong(&e))?;
+                }
+                graph.launch().map_err(|e| wrong(&e))?;
+                group.check(stream).map_err(Fail::Typed)?;
+                if i % 10 == 0 {
+                    let mut got = vec![0u32; len];
+                    out.read(&mut got).map_err(|e| wrong(&e))?;
+                    if let Some((k, a, b)) = reference::first_mismatch(Dtype::F32, &got, &want) {
+                        return Err(Fail::Wrong(format!(
+                            "replay {i}: element {k}: got {a:#x} want {b:#x}"
+                        )));
+                    }
+                }
+                Ok(())
+            }))
+        }
+        "fused" => {
+            let c = NormCase {
+                dtype: Dtype::F32,
+                world: 2,
+                rows: 2,
+                hidden: 4096,
+                seed: 37_000,
+            };
+            let count = c.rows * c.hidden;
+            let (x, res, gam, want) = c.data();
+            let f = |b: &[u32]| b.iter().map(|&v| f32::from_bits(v)).collect::<Vec<f32>>();
+            let xin = stream.clone_htod(&f(&x[rank])).map_err(|e| e.to_string())?;
+            let gin = stream
+                .clone_htod(&f(&gam[rank]))
+                .map_err(|e| e.to_string())?;
+            let res_r = f(&res[rank]);
+            let want_r = want[rank].clone();
+            Ok(Box::new(move |i| {
+                let mut rin = stream.clone_htod(&res_r).map_err(|e| wrong(&e))?;
+                let mut o = stream
+                    .clone_htod(&vec![poison::<f32>(); count])
+                    .map_err(|e| wrong(&e))?;
+                let algo = if i % 2 == 0 {
+                    AlgoChoice::OneStage
+                } else {
+                    AlgoChoice::PushLl
+                };
+                group
+                    .allreduce_add_rmsnorm(stream, &xin, &mut rin, &gin, NORM_EPS, &mut o, algo)
+                    .map_err(Fail::Typed)?;
+                group.check(stream).map_err(Fail::Typed)?;
+                let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                let got_res = bits(stream.clone_dtoh(&rin).map_err(|e| wrong(&e))?);
+                let got_norm = bits(stream.clone_dtoh(&o).map_err(|e| wrong(&e))?);
+                norm_mismatch(
+                    &format!("fused call {i}"),
+                    Dtype::F32,
+                    rank,
+                    (&got_res, &got_norm),
+                    &want_r,
+                )
+                .map_err(Fail::Wrong)
+            }))
+        }
+        other => Err(format!("no repeated work for case {other}")),
+    }
+}
+
+/// Item 6: for each case, a survivor (rank 0) and a victim (rank 1) on
+/// GPUs 0 and 1 (both on GPU 0 with one GPU); the victim is killed
+/// (SIGKILL) where the case says. The survivor must get a typed error
+/// within its timeout plus one second of the kill (the peer timeout for
+/// kernel waits; the rendezvous's own detection for exchange rounds), and
+/// then form a new group, in the same rendezvous directory, with a new rank
+/// 1 (every algorithm bit-exact). The directory cases (stale records of an
+/// earlier run, a corrupt record, a record of another build) fail before
+/// any CUDA call and are CPU tests (host/exchange.rs, host/ipc.rs).
+fn fault_matrix(_g: &Gpu) {
+    let n = driver::device_count().expect("device count");
+    let gpus = [0, 1 % n];
+    let mut rows = Vec::new();
+    for (case, expect, limit) in [
+        ("rendezvous", "PeerExited", FAULT_RENDEZVOUS),
+        ("register", "PeerExited", FAULT_RENDEZVOUS),
+        ("replay", "PeerTimeout", FAULT_TIMEOUT),
+        ("fused", "PeerTimeout", FAULT_TIMEOUT),
+    ] {
+        let dir = ipc_dir(&format!("fault-{case}"));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let spawn = |role: &str, rank: usize| {
+            let exe = std::env::current_exe().expect("current exe");
+            std::process::Command::new(exe)
+                .env("P2P_IPC_CHILD", rank.to_string())
+                .env("P2P_IPC_MODE", "fault")
+                .env("P2P_FAULT_CASE", case)
+                .env("P2P_FAULT_ROLE", role)
+                .env("P2P_IPC_WORLD", "2")
+                .env("P2P_IPC_GPU", gpus[rank].to_string())
+                .env("P2P_IPC_DIR", &dir)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn rank process")
+        };
+        let survivor = spawn("survivor", 0);
+        let mut victim = spawn("victim", 1);
+        let t0 = Instant::now();
+        while !dir.join("victim-running").exists() {
+            if let Ok(Some(st)) = victim.try_wait() {
+                let (_, text) = wait_rank(victim, Instant::now());
+                panic!("{case}: the victim ended before it was killed ({st}): {text}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "{case}: the victim never got there"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Replay and fused: a few more calls run; rendezvous and register:
+        // the victim is paused inside the exchange, and the survivor has
+        // surely read its records of the earlier rounds by then.
+        std::thread::sleep(Duration::from_millis(
+            if case == "replay" || case == "fused" {
+                30
+            } else {
+                200
+            },
+        ));
+        victim.kill().expect("SIGKILL rank 1");
+        let killed_at = unix_ms();
+        let _ = victim.wait();
+        // The new rank 1 starts once the survivor has its new exchange.
+        while !dir.join("survivor-second").exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(180),
+                "{case}: the survivor never reached its new group"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let rejoin = spawn("rejoin", 1);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let (ok0, text0) = wait_rank(survivor, deadline);
+        let (ok1, text1) = wait_rank(rejoin, deadline);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(ok0, "{case}: survivor failed: {text0}\nnew rank 1: {text1}");
+        assert!(ok1, "{case}: new rank 1 failed: {text1}\nsurvivor: {text0}");
+        let field = |k: &str| {
+            text0
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(k))
+                .unwrap_or_else(|| panic!("{case}: survivor printed no {k}: {text0}"))
+                .to_string()
+        };
+        let error_at: u128 = field("error_at_ms=").parse().expect("ms");
+        let error = field("error=");
+        assert!(
+            text0.contains(expect),
+            "{case}: expected {expect}, survivor says: {text0}"
+        );
+        let after = error_at.saturating_sub(killed_at);
+        assert!(
+            after <= limit.as_millis() + 1000,
+            "{case}: the typed error came {after} ms after the kill (limit {limit:?} + 1 s)"
+        );
+        println!("  {case}: {}", text0.trim());
+        rows.push(format!(
+            "{case}: {error} {after} ms after the kill (limit {:?} + 1 s)",
+            limit
+        ));
+    }
+    println!("  fault matrix on GPUs {gpus:?}: {}", rows.join("; "));
 }

@@ -9,6 +9,8 @@
 //!   thresholds file `Auto` reads.
 //! - `hostlink`: GPU reads vs writes of pinned host memory over the GPU's
 //!   own PCIe link.
+//! - `soak`: a million graph-replayed allreduces and a hundred thousand
+//!   fused calls, checked, with memory, handles and time per call watched.
 //!
 //! Without a subcommand: `info`, then (when a GPU is present) a quick check
 //! and a short benchmark.
@@ -22,6 +24,7 @@ mod hostlink;
 mod info;
 mod plot;
 mod procs;
+mod soak;
 mod tune;
 
 use clap::{Parser, Subcommand};
@@ -66,6 +69,12 @@ enum Command {
     /// GPU reads vs writes of mapped pinned host memory (the GPU's own
     /// PCIe link): bandwidth by size and one-pack latency.
     Hostlink(hostlink::HostlinkArgs),
+    /// Reliability soak: 10^6 graph-replayed allreduces (every algorithm,
+    /// 4 KiB..8 MiB) and 10^5 fused calls on virtual ranks or rank
+    /// processes (--procs --gpus 0,0), results checked against the CPU
+    /// oracle, host RSS, device memory and handles required flat, time per
+    /// call stable from the first pass to the last. Exit 1 on any failure.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +92,7 @@ fn main() -> ExitCode {
         Some(Command::Bench(a)) => bench::run(&a),
         Some(Command::Tune(a)) => tune::run(&a),
         Some(Command::Hostlink(a)) => hostlink::run(&a),
+        Some(Command::Soak(a)) => soak::run(&a),
         None => default_run(),
     }
 }
@@ -317,6 +327,37 @@ mod tests {
         assert_eq!(b.algo, vec![AlgoChoice::Auto]);
         assert!(Cli::try_parse_from(["p2p-allreduce", "bench", "--world", "9"]).is_err());
         assert!(Cli::try_parse_from(["p2p-allreduce", "bench", "-d", "int8"]).is_err());
+    }
+
+    #[test]
+    fn soak_defaults_and_lists_parse() {
+        let cli = Cli::try_parse_from(["p2p-allreduce", "soak"]).expect("parses");
+        let Some(Command::Soak(s)) = cli.command else {
+            panic!("not soak")
+        };
+        assert_eq!(s, soak::SoakArgs::default(), "clap defaults = Default");
+        assert_eq!((s.allreduces, s.fused), (1_000_000, 100_000));
+        let cli = Cli::try_parse_from([
+            "p2p-allreduce",
+            "soak",
+            "--procs",
+            "--gpus",
+            "0,0",
+            "--budget",
+            "60",
+            "-e",
+            "1M",
+            "--json",
+            "-",
+        ])
+        .expect("parses");
+        let Some(Command::Soak(s)) = cli.command else {
+            panic!("not soak")
+        };
+        assert!(s.procs);
+        assert_eq!(s.gpus, vec![0, 0]);
+        assert_eq!((s.budget, s.maxbytes), (60.0, 1 << 20));
+        assert!(Cli::try_parse_from(["p2p-allreduce", "soak", "--passes", "1"]).is_err());
     }
 
     #[test]

@@ -72,6 +72,7 @@ impl IpcMapping {
         }
         .result()
         .during("cuIpcOpenMemHandle")?;
+        super::counts::up(&super::counts::IPC_MAPPINGS);
         Ok(IpcMapping {
             ctx: ctx.clone(),
             ptr,
@@ -88,6 +89,7 @@ impl Drop for IpcMapping {
             // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
             unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result()
         });
+        super::counts::down(&super::counts::IPC_MAPPINGS);
         record_drop_error(&self.ctx, r);
     }
 }

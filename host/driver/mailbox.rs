@@ -41,6 +41,7 @@ impl HostMailbox {
             host,
             device,
         };
+        super::counts::up(&super::counts::HOST_PINNED);
         r.result().during("cuMemHostGetDevicePointer")?;
         mb.clear();
         Ok(mb)
@@ -66,6 +67,7 @@ impl Drop for HostMailbox {
             // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
             unsafe { result::free_host(self.host.cast()) }
         });
+        super::counts::down(&super::counts::HOST_PINNED);
         record_drop_error(&self.ctx, r);
     }
 }
@@ -107,6 +109,7 @@ impl HostMapped {
             device,
             bytes,
         };
+        super::counts::up(&super::counts::HOST_PINNED);
         r.result().during("cuMemHostGetDevicePointer")?;
         // SAFETY: `host` is `bytes` of live pinned memory owned by `m`.
         unsafe { std::ptr::write_bytes(m.host, 0x3c, bytes) };
@@ -127,6 +130,7 @@ impl Drop for HostMapped {
             // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
             unsafe { result::free_host(self.host.cast()) }
         });
+        super::counts::down(&super::counts::HOST_PINNED);
         record_drop_error(&self.ctx, r);
     }
 }

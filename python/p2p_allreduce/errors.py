@@ -38,4 +38,8 @@ class GroupError(P2PAllreduceError):
 
 
 class UnavailableError(P2PAllreduceError):
-    """No CUDA driver, or no kernels built for this GPU."""
+    """This group cannot use p2p-allreduce: no CUDA driver, no kernels built
+    for this GPU, or ranks on more than one host (CUDA IPC works within one
+    host; ``peers`` names a rank on another host). Fall back to NCCL."""
+
+    peers: Sequence[int] = ()

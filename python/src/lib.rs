@@ -50,6 +50,15 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             kw.set_item("peers", missing.clone())?;
             "PeerTimeoutError"
         }
+        Error::StaleRecord { rank, .. } | Error::PeerExited { rank, .. } => {
+            kw.set_item("peers", vec![*rank])?;
+            "PeerTimeoutError"
+        }
+        // IPC cannot cross hosts: engines fall back to NCCL there.
+        Error::CrossHost { peer, .. } => {
+            kw.set_item("peers", vec![*peer])?;
+            "UnavailableError"
+        }
         Error::Poisoned(_) => "PoisonedError",
         Error::NoDriver | Error::NoPtxForDevice { .. } => "UnavailableError",
         Error::WorldSize(_)
@@ -66,6 +75,8 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
         | Error::StreamSwitchInCapture
         | Error::StreamDevice { .. }
         | Error::SharedStream { .. }
+        | Error::CaptureInvalidated { .. }
+        | Error::RankOutOfRange { .. }
         | Error::Config(_) => "UsageError",
         Error::RankMismatch { .. } | Error::GroupMismatch { .. } | Error::Rendezvous(_) => {
             "GroupError"

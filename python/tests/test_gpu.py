@@ -95,6 +95,42 @@ class GpuTests(unittest.TestCase):
     def test_two_processes_on_gpu0_dead_rank(self):
         self.check([0, 0], "timeout", [0])
 
+    def test_group_across_hosts_is_unavailable(self):
+        """Issue 31: a group whose ranks are on two hosts is refused at
+        construction, before any IPC handle is opened, with
+        UnavailableError (engines fall back to NCCL). Rank 1 is forged from
+        rank 0's identity record (text, ``key=value`` lines) as if it ran
+        on another host; the construction must fail in the first round."""
+        import p2p_allreduce as pa
+
+        rounds = []
+
+        def other_host(data):
+            rounds.append(data)
+            lines = bytes(data).decode().splitlines()
+            peer = []
+            for line in lines:
+                key, _, value = line.partition("=")
+                if key == "rank":
+                    line = "rank=1"
+                elif key == "pid":
+                    line = f"pid={int(value) + 1}"
+                elif key == "host":
+                    line = "host=another-host"
+                elif key == "boot":
+                    line = "boot=ffffffff-0000-0000-0000-000000000000"
+                peer.append(line)
+            return [bytes(data), ("\n".join(peer) + "\n").encode()]
+
+        other_host.rank, other_host.world = 0, 2
+        with self.assertRaises(pa.UnavailableError) as cm:
+            pa.CustomAllreduce(device=torch.device("cuda", 0), exchange=other_host)
+        self.assertIn("NCCL", str(cm.exception))
+        self.assertIn("another-host", str(cm.exception))
+        self.assertEqual(list(cm.exception.peers), [1])
+        self.assertEqual(len(rounds), 1, "refused in the identity round, before the IPC records")
+        self.assertTrue(bytes(rounds[0]).startswith(b"p2p-allreduce identity "))
+
     @unittest.skipIf(GPUS < 2, f"needs 2 GPUs, torch sees {GPUS}")
     def test_two_gpus(self):
         self.check([0, 1], "correctness", [0, 1])
