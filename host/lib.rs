@@ -40,6 +40,7 @@ pub use p2p_allreduce_device::ll;
 pub use cudarc;
 
 mod checks;
+mod choice;
 mod collective;
 pub mod config;
 pub mod driver;

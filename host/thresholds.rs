@@ -15,7 +15,7 @@
 //! never does.
 
 use crate::abi::{Algorithm, MAX_RANKS};
-use crate::config::{AlgoChoice, Link};
+use crate::choice::{AlgoChoice, Link};
 use crate::json::{self, Value};
 use std::path::{Path, PathBuf};
 
