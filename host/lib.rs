@@ -49,7 +49,6 @@ pub mod error;
 pub mod exchange;
 pub mod fused;
 pub mod ipc;
-mod json;
 mod launch;
 #[cfg(feature = "testkit")]
 pub mod measure;
