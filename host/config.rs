@@ -1,6 +1,6 @@
 //! The settings of a group ([`Config`]), and the words a caller uses for
-//! them ([`AlgoChoice`], [`Link`], from [`crate::choice`]). `Auto`'s table
-//! is in [`crate::thresholds`].
+//! them ([`AlgoChoice`], [`Link`], defined in `host/choice.rs`). `Auto`'s
+//! table is in [`crate::thresholds`].
 
 use crate::abi::{
     island_split, Algorithm, PushTwoStagePart, Signal, MAX_BLOCKS, MAX_RANKS, NORM_MAX_CTAS,
