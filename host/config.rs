@@ -1,80 +1,16 @@
 //! The settings of a group ([`Config`]), and the words a caller uses for
-//! them ([`AlgoChoice`], [`Link`]). `Auto`'s table is in
-//! [`crate::thresholds`].
+//! them ([`AlgoChoice`], [`Link`], defined in `host/choice.rs`). `Auto`'s
+//! table is in [`crate::thresholds`].
 
 use crate::abi::{
     island_split, Algorithm, PushTwoStagePart, Signal, MAX_BLOCKS, MAX_RANKS, NORM_MAX_CTAS,
     PACK_BYTES,
 };
+pub use crate::choice::{AlgoChoice, Link};
 use crate::ll::LL_PACK_BYTES;
 use crate::ptx::ImageChoice;
 pub use crate::thresholds::Thresholds;
 use std::time::Duration;
-
-/// What the caller asks for.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum AlgoChoice {
-    /// By the [`Thresholds`] for this world size and link (built in, or
-    /// measured by `p2p-allreduce tune`).
-    #[default]
-    Auto,
-    OneStage,
-    TwoStage,
-    /// Needs the message to fit `Config::push_max_bytes` (staged calls are
-    /// chunked to it).
-    Push,
-    /// Push with flag-in-data lines (one one-way trip, twice the bytes).
-    /// Needs the message to fit `Config::push_ll_max_bytes` (staged calls
-    /// are chunked to it).
-    PushLl,
-    /// Reduce-scatter and all-gather by writes into landing zones. Needs
-    /// the message to fit `Config::push_two_stage_max_bytes` (staged calls
-    /// are chunked to it).
-    PushTwoStage,
-    /// Push two-stage over two islands of ranks (the first half of the
-    /// ranks and the rest, e.g. two PCIe switches), only partial sums and
-    /// results crossing between them. Needs the message to fit
-    /// `Config::push_two_stage_max_bytes` too (staged calls are chunked to
-    /// it).
-    PushIslands,
-}
-
-impl AlgoChoice {
-    /// The algorithm asked for, or `None` for `Auto`.
-    pub fn explicit(self) -> Option<Algorithm> {
-        match self {
-            AlgoChoice::Auto => None,
-            AlgoChoice::OneStage => Some(Algorithm::OneStage),
-            AlgoChoice::TwoStage => Some(Algorithm::TwoStage),
-            AlgoChoice::Push => Some(Algorithm::Push),
-            AlgoChoice::PushLl => Some(Algorithm::PushLl),
-            AlgoChoice::PushTwoStage => Some(Algorithm::PushTwoStage),
-            AlgoChoice::PushIslands => Some(Algorithm::PushIslands),
-        }
-    }
-}
-
-impl From<Algorithm> for AlgoChoice {
-    fn from(a: Algorithm) -> Self {
-        match a {
-            Algorithm::OneStage => AlgoChoice::OneStage,
-            Algorithm::TwoStage => AlgoChoice::TwoStage,
-            Algorithm::Push => AlgoChoice::Push,
-            Algorithm::PushLl => AlgoChoice::PushLl,
-            Algorithm::PushTwoStage => AlgoChoice::PushTwoStage,
-            Algorithm::PushIslands => AlgoChoice::PushIslands,
-        }
-    }
-}
-
-/// How the ranks reach each other's memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Link {
-    /// Virtual ranks, or several ranks on one GPU.
-    SameDevice,
-    NvLink,
-    Pcie,
-}
 
 /// Automatic block cap for ranks that share one GPU (from the H200
 /// virtual-rank sweep, docs/benchmarks.md).

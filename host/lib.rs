@@ -40,6 +40,7 @@ pub use p2p_allreduce_device::ll;
 pub use cudarc;
 
 mod checks;
+mod choice;
 mod collective;
 pub mod config;
 pub mod driver;
@@ -48,7 +49,6 @@ pub mod error;
 pub mod exchange;
 pub mod fused;
 pub mod ipc;
-mod json;
 mod launch;
 #[cfg(feature = "testkit")]
 pub mod measure;

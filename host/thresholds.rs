@@ -15,8 +15,8 @@
 //! never does.
 
 use crate::abi::{Algorithm, MAX_RANKS};
-use crate::config::{AlgoChoice, Link};
-use crate::json::{self, Value};
+use crate::choice::{AlgoChoice, Link};
+use serde::{Deserialize, Deserializer, Serialize};
 use std::path::{Path, PathBuf};
 
 /// The environment variable that names the thresholds file.
@@ -282,8 +282,9 @@ fn check_bands(bands: &[Band]) -> Result<(), String> {
     Ok(())
 }
 
-/// A thresholds file: what `p2p-allreduce tune` writes.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// A thresholds file: what `p2p-allreduce tune` writes (JSON, the fields
+/// below in this order; members a reader does not know are ignored).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ThresholdsFile {
     /// [`FORMAT`].
     pub format: String,
@@ -292,13 +293,15 @@ pub struct ThresholdsFile {
 
 /// One measured table: the machine (GPU model, count, link matrix), the
 /// group it was measured with (link, world), and its bands.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TunedTable {
     /// The device name, as `cuDeviceGetName` gives it.
     pub gpu: String,
     /// GPUs visible on the machine when it was measured.
     pub gpus: usize,
-    /// Link from GPU i (row) to GPU j, as `p2p-allreduce info` prints it.
+    /// Link from GPU i (row) to GPU j, as `p2p-allreduce info` prints it
+    /// (missing or `null` in a file: empty).
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub links: Vec<Vec<String>>,
     /// The group's slowest link: "same", "NVLink" or "PCIe".
     pub link: String,
@@ -310,109 +313,14 @@ pub struct TunedTable {
     pub bands: Vec<FileBand>,
 }
 
-/// A band in a file: `up_to` null means no limit.
-#[derive(Clone, Debug, PartialEq)]
+/// A band in a file: `up_to` null (or missing) means no limit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FileBand {
     pub up_to: Option<u64>,
     pub algorithm: String,
 }
 
 impl TunedTable {
-    fn from_json(v: &Value) -> Result<Self, String> {
-        let text = |k: &str| {
-            v.get(k)
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .ok_or(format!("no {k:?} string"))
-        };
-        let num = |k: &str| {
-            v.get(k)
-                .and_then(Value::as_u64)
-                .map(|n| n as usize)
-                .ok_or(format!("no {k:?} count"))
-        };
-        let links = match v.get("links") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(l) => l
-                .as_array()
-                .ok_or("\"links\" is not an array")?
-                .iter()
-                .map(|row| {
-                    row.as_array()
-                        .ok_or("a \"links\" row is not an array")?
-                        .iter()
-                        .map(|c| {
-                            c.as_str()
-                                .map(str::to_string)
-                                .ok_or("a link is not a string")
-                        })
-                        .collect::<Result<Vec<_>, _>>()
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-        };
-        let bands = v
-            .get("bands")
-            .and_then(Value::as_array)
-            .ok_or("no \"bands\" array")?
-            .iter()
-            .map(|b| {
-                let up_to = match b.get("up_to") {
-                    None | Some(Value::Null) => None,
-                    Some(n) => Some(n.as_u64().ok_or("\"up_to\" is not a byte count")?),
-                };
-                let algorithm = b
-                    .get("algorithm")
-                    .and_then(Value::as_str)
-                    .ok_or("a band has no \"algorithm\" string")?
-                    .to_string();
-                Ok(FileBand { up_to, algorithm })
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        Ok(TunedTable {
-            gpu: text("gpu")?,
-            gpus: num("gpus")?,
-            links,
-            link: text("link")?,
-            world: num("world")?,
-            dtype: text("dtype")?,
-            measured: text("measured")?,
-            bands,
-        })
-    }
-
-    fn to_json(&self) -> String {
-        let links: Vec<String> = self
-            .links
-            .iter()
-            .map(|row| {
-                let cells: Vec<String> = row.iter().map(|c| json::quote(c)).collect();
-                format!("[{}]", cells.join(", "))
-            })
-            .collect();
-        let bands: Vec<String> = self
-            .bands
-            .iter()
-            .map(|b| {
-                format!(
-                    "      {{\"up_to\": {}, \"algorithm\": {}}}",
-                    b.up_to.map_or("null".to_string(), |u| u.to_string()),
-                    json::quote(&b.algorithm)
-                )
-            })
-            .collect();
-        format!(
-            "    {{\n      \"gpu\": {},\n      \"gpus\": {},\n      \"links\": [{}],\n      \"link\": {},\n      \"world\": {},\n      \"dtype\": {},\n      \"measured\": {},\n      \"bands\": [\n{}\n      ]\n    }}",
-            json::quote(&self.gpu),
-            self.gpus,
-            links.join(", "),
-            json::quote(&self.link),
-            self.world,
-            json::quote(&self.dtype),
-            json::quote(&self.measured),
-            bands.join(",\n")
-        )
-    }
-
     /// The table's bands, checked.
     pub fn bands(&self) -> Result<Vec<Band>, String> {
         let bands = self
@@ -443,53 +351,58 @@ impl TunedTable {
     }
 }
 
+fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<String>>, D::Error> {
+    Option::deserialize(d).map(Option::unwrap_or_default)
+}
+
+/// `text` as a `T`. The error names the line and column, and the member
+/// (e.g. `tables[0].gpus`) where it went wrong.
+fn from_json<'de, T: Deserialize<'de>>(text: &'de str) -> Result<T, String> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let e = e.into_inner();
+        if e.is_syntax() || e.is_eof() {
+            format!("invalid JSON: {e}")
+        } else if path == "." {
+            e.to_string()
+        } else {
+            format!("{path}: {e}")
+        }
+    })?;
+    // Nothing but white space after the document.
+    de.end().map_err(|e| format!("invalid JSON: {e}"))?;
+    Ok(value)
+}
+
 impl ThresholdsFile {
+    /// Reads a file's text; the error says what is wrong and where.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let v = json::parse(text)?;
-        let format = v
-            .get("format")
-            .and_then(Value::as_str)
-            .ok_or("no \"format\" string")?;
+        // The format first, so that a file of another format is refused
+        // as such rather than by its first unknown member.
+        #[derive(Deserialize)]
+        #[serde(rename = "ThresholdsFile")]
+        struct Format {
+            format: String,
+        }
+        let Format { format } = from_json(text)?;
         if format != FORMAT {
             return Err(format!(
                 "format {format:?}, this build reads {FORMAT:?}: run `p2p-allreduce tune` again"
             ));
         }
-        let tables = v
-            .get("tables")
-            .and_then(Value::as_array)
-            .ok_or("no \"tables\" array")?
-            .iter()
-            .enumerate()
-            .map(|(i, t)| TunedTable::from_json(t).map_err(|e| format!("table {i}: {e}")))
-            .collect::<Result<Vec<_>, String>>()?;
-        for t in &tables {
+        let file: ThresholdsFile = from_json(text)?;
+        for t in &file.tables {
             t.bands()?;
             if link_by_label(&t.link).is_none() {
                 return Err(format!("link {:?}: use same, NVLink or PCIe", t.link));
             }
         }
-        Ok(ThresholdsFile {
-            format: format.to_string(),
-            tables,
-        })
+        Ok(file)
     }
     /// The file's text (what `parse` reads back).
     pub fn to_json(&self) -> String {
-        let mut o = String::new();
-        o.push_str("{\n  \"format\": ");
-        o.push_str(&json::quote(&self.format));
-        o.push_str(",\n  \"tables\": [");
-        for (i, t) in self.tables.iter().enumerate() {
-            o.push_str(if i == 0 { "\n" } else { ",\n" });
-            o.push_str(&t.to_json());
-        }
-        o.push_str(if self.tables.is_empty() {
-            "]\n}"
-        } else {
-            "\n  ]\n}"
-        });
-        o
+        serde_json::to_string_pretty(self).expect("strings, counts and lists always serialize")
     }
     /// Adds `table`, replacing an entry of the same GPU, count, link and
     /// world.
@@ -748,5 +661,72 @@ mod tests {
         let e = ThresholdsFile::parse("{\"format\":\"x\",\"tables\":[]}").expect_err("format");
         assert!(e.contains("tune"), "{e}");
         assert!(ThresholdsFile::parse("not json").is_err());
+    }
+
+    /// A file as the hand-written writer before serde laid it out.
+    const OLD_LAYOUT: &str = r#"{
+  "format": "p2p-allreduce-thresholds/1",
+  "tables": [
+    {
+      "gpu": "NVIDIA H200",
+      "gpus": 2,
+      "links": [["same", "NVLink"], ["NVLink", "same"]],
+      "link": "NVLink",
+      "world": 2,
+      "dtype": "bf16",
+      "measured": "2026-11-29, aa0a5a0, tune --gpus 0,1",
+      "bands": [
+      {"up_to": 131072, "algorithm": "push_ll"},
+      {"up_to": null, "algorithm": "one_stage"}
+      ]
+    }
+  ]
+}"#;
+
+    #[test]
+    fn old_files_read_and_malformed_ones_name_the_line_and_member() {
+        let file = ThresholdsFile::parse(OLD_LAYOUT).expect("old layout");
+        let t = &file.tables[0];
+        assert_eq!((t.gpu.as_str(), t.gpus, t.world), ("NVIDIA H200", 2, 2));
+        assert_eq!(t.links[0], ["same", "NVLink"]);
+        assert_eq!(t.bands[0].up_to, Some(131072));
+        assert_eq!(t.bands[1].up_to, None);
+        assert_eq!(ThresholdsFile::parse(&file.to_json()), Ok(file.clone()));
+        // Without the optional members (links, a last band's up_to), and
+        // with members this build does not know.
+        let lean = OLD_LAYOUT
+            .replace(
+                r#""links": [["same", "NVLink"], ["NVLink", "same"]],"#,
+                r#""note": 1,"#,
+            )
+            .replace(r#""up_to": null, "#, "");
+        let parsed = ThresholdsFile::parse(&lean).expect("optional members");
+        assert!(parsed.tables[0].links.is_empty());
+        assert_eq!(parsed.tables[0].bands, file.tables[0].bands);
+        // A wrong type, a missing member, broken syntax, trailing text.
+        for (text, want) in [
+            (
+                OLD_LAYOUT.replace(r#""gpus": 2"#, r#""gpus": "2""#),
+                ["line 6", "tables[0].gpus"],
+            ),
+            (
+                OLD_LAYOUT.replace(r#""up_to": 131072"#, r#""up_to": -1"#),
+                ["line 13", "tables[0].bands[0].up_to"],
+            ),
+            (
+                OLD_LAYOUT.replace(r#""dtype": "bf16","#, ""),
+                ["line 16", "missing field `dtype`"],
+            ),
+            (
+                OLD_LAYOUT.replace(r#""world": 2,"#, r#""world": 2"#),
+                ["line 10", "invalid JSON"],
+            ),
+            (OLD_LAYOUT.to_string() + " x", ["line 18", "invalid JSON"]),
+        ] {
+            let e = ThresholdsFile::parse(&text).expect_err(want[1]);
+            for w in want {
+                assert!(e.contains(w), "{e:?} lacks {w:?}");
+            }
+        }
     }
 }
