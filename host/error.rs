@@ -234,6 +234,17 @@ pub enum Error {
     },
 
     #[error(
+        "rank {peer} could not set up its part of the group ({step}): {reason}. Every rank stops here \
+         instead of waiting for it: fix that rank (its own error says more), or use NCCL"
+    )]
+    PeerSetupFailed {
+        rank: usize,
+        peer: usize,
+        step: &'static str,
+        reason: String,
+    },
+
+    #[error(
         "rank {rank}'s record did not arrive within {waited:?}: {path} holds {reason}. That is a record of \
          an earlier run, not of this one: start rank {rank}, or use a fresh rendezvous directory per group \
          (or delete the old records)"

@@ -68,6 +68,35 @@ impl std::fmt::Debug for ProcessGroup {
 /// rank must use the same `Auto` table (a thresholds file present on one
 /// machine only, or a different `P2P_ALLREDUCE_THRESHOLDS`, would break
 /// that).
+/// One exchange round after a step that may fail on this rank alone:
+/// returns this rank's own error, else `PeerSetupFailed` naming the first
+/// rank whose step failed, else the step's value.
+fn agree_setup<T>(exchange: &dyn Exchange, step: &'static str, local: Result<T>) -> Result<T> {
+    const OK: &[u8] = b"setup ok";
+    const FAILED: &[u8] = b"setup failed: ";
+    let mine = match &local {
+        Ok(_) => OK.to_vec(),
+        Err(e) => [FAILED, e.to_string().as_bytes()].concat(),
+    };
+    let all = exchange.all_gather(&mine)?;
+    let value = local?;
+    for (peer, said) in all.iter().enumerate() {
+        if said.as_slice() != OK {
+            let reason = match said.strip_prefix(FAILED) {
+                Some(r) => String::from_utf8_lossy(r).into_owned(),
+                None => format!("it sent {} bytes that are not a setup status", said.len()),
+            };
+            return Err(Error::PeerSetupFailed {
+                rank: exchange.rank(),
+                peer,
+                step,
+                reason,
+            });
+        }
+    }
+    Ok(value)
+}
+
 fn agree_on_thresholds(
     exchange: &dyn Exchange,
     thresholds: &Thresholds,
@@ -106,11 +135,21 @@ impl ProcessGroup {
         // Who the ranks are (build, host, process), before any CUDA call:
         // a group across hosts or builds is refused here.
         ipc::introduce(exchange)?;
-        let kernels = Kernels::for_context(ctx, config.kernel_image)?;
-        kernels.prepare(world, false, config.threads_per_block)?;
-        let own = RankBuffers::new(ctx, &config, world)?;
+        // Local steps that can fail on one rank alone: each is followed by a
+        // round in which every rank says how it went, so a rank that failed
+        // never leaves its peers waiting in the next exchange.
+        let local = (|| {
+            let kernels = Kernels::for_context(ctx, config.kernel_image)?;
+            kernels.prepare(world, false, config.threads_per_block)?;
+            Ok((kernels, RankBuffers::new(ctx, &config, world)?))
+        })();
+        let (kernels, own) = agree_setup(exchange, "kernels and buffers", local)?;
         let rv = ipc::rendezvous(ctx, exchange, &config, &own)?;
-        let thresholds = thresholds::resolve(&config.thresholds, ctx, rv.link, world)?;
+        let thresholds = agree_setup(
+            exchange,
+            "Auto's table",
+            thresholds::resolve(&config.thresholds, ctx, rv.link, world),
+        )?;
         agree_on_thresholds(exchange, &thresholds, rv.link, world)?;
         let config = Config {
             thresholds,
@@ -674,5 +713,61 @@ impl ProcessGroup {
     ) -> Result<()> {
         self.core
             .launch_with_absent_ranks(&[stream], absent_ranks, dtype, algorithm, count)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exchange::InProcessExchange;
+    use std::time::Duration;
+
+    /// A step that fails on one rank ends every rank's setup with an error,
+    /// promptly, instead of leaving the others in the next exchange.
+    #[test]
+    fn one_rank_failing_a_setup_step_stops_every_rank() {
+        let ranks = InProcessExchange::ranks(3, Duration::from_secs(5));
+        let got: Vec<Result<u32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter()
+                .map(|ex| {
+                    s.spawn(move || {
+                        let r = ex.rank();
+                        let local = if r == 2 {
+                            Err(Error::NoDriver)
+                        } else {
+                            Ok(r as u32)
+                        };
+                        agree_setup(ex, "kernels and buffers", local)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(matches!(got[2], Err(Error::NoDriver)), "{:?}", got[2]);
+        for (r, g) in got.iter().enumerate().take(2) {
+            match g {
+                Err(Error::PeerSetupFailed {
+                    rank,
+                    peer: 2,
+                    step,
+                    reason,
+                }) => {
+                    assert_eq!((*rank, *step), (r, "kernels and buffers"));
+                    assert!(reason.contains(&Error::NoDriver.to_string()), "{reason}");
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
+        // And when every rank succeeds, each gets its own value.
+        let ranks = InProcessExchange::ranks(2, Duration::from_secs(5));
+        let got: Vec<u32> = std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter()
+                .map(|ex| s.spawn(move || agree_setup(ex, "x", Ok(ex.rank() as u32 + 10)).unwrap()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got, vec![10, 11]);
     }
 }

@@ -59,6 +59,12 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             kw.set_item("peers", vec![*peer])?;
             "UnavailableError"
         }
+        // A peer's setup failed (no kernels for its GPU, out of memory, its
+        // own table): this group cannot form; engines fall back to NCCL.
+        Error::PeerSetupFailed { peer, .. } => {
+            kw.set_item("peers", vec![*peer])?;
+            "UnavailableError"
+        }
         Error::Poisoned(_) => "PoisonedError",
         Error::NoDriver | Error::NoPtxForDevice { .. } => "UnavailableError",
         Error::WorldSize(_)
