@@ -68,8 +68,21 @@ fn main() {
     let root =
         PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    println!("cargo:rerun-if-changed=device/src");
-    println!("cargo:rerun-if-changed=device/Cargo.toml");
+    // The kernel crate's sources: where the kernel crate says they are
+    // (its build.rs, through `links`: the registry's copy when both crates
+    // come from crates.io, whose package of this crate cannot carry them),
+    // else `device/` next to this file.
+    let device_dir = env::var_os("DEP_P2P_ALLREDUCE_DEVICE_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("device"));
+    println!(
+        "cargo:rerun-if-changed={}",
+        device_dir.join("src").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        device_dir.join("Cargo.toml").display()
+    );
     println!("cargo:rerun-if-changed=host/ptxas.rs");
     println!("cargo:rerun-if-changed=host/image_format.rs");
     for var in [
@@ -97,7 +110,7 @@ fn main() {
 
     for arch in &ptx_archs {
         let ptx = out_dir.join(format!("{arch}.ptx"));
-        build_ptx(&tc, &root.join("device"), &nested_target, arch, &ptx);
+        build_ptx(&tc, &device_dir, &nested_target, arch, &ptx);
         fs::copy(&ptx, public_dir.join(format!("{arch}.ptx"))).expect("copy PTX to target/ptx");
     }
 
@@ -277,7 +290,21 @@ fn cargo_target_dir(out_dir: &Path) -> PathBuf {
 fn build_ptx(tc: &Toolchain, device_dir: &Path, nested_target: &Path, arch: &str, ptx: &Path) {
     let mut cmd = Command::new(&tc.cargo);
     // A clean environment: the outer build's flags, wrappers, target and
-    // jobserver must not leak into the nested kernel build.
+    // jobserver must not leak into the nested kernel build; nor the C
+    // toolchain settings of an outer cross build (maturin's zig sets
+    // CC_<target>, TARGET_CC, ...), which the standard library's build
+    // scripts read: they would rebuild core and every kernel.
+    let c_toolchain = |k: &str| {
+        k == "LD"
+            || [
+                "CC", "CXX", "AR", "CFLAGS", "CXXFLAGS", "ARFLAGS", "LDFLAGS", "CPPFLAGS",
+            ]
+            .iter()
+            .any(|v| k == *v || k.starts_with(&format!("{v}_")))
+            || k.starts_with("TARGET_")
+            || k.starts_with("HOST_")
+            || k.starts_with("CRATE_CC_")
+    };
     for (k, _) in env::vars_os() {
         let k = k.to_string_lossy().into_owned();
         let keep = k == "CARGO_HOME"
@@ -290,6 +317,7 @@ fn build_ptx(tc: &Toolchain, device_dir: &Path, nested_target: &Path, arch: &str
             || k == "RUSTFLAGS"
             || k == "MAKEFLAGS"
             || k == "MFLAGS"
+            || c_toolchain(&k)
             || (k == "RUSTUP_TOOLCHAIN" && !tc.rustup)
         {
             cmd.env_remove(&k);
