@@ -371,6 +371,7 @@ impl Kernels {
     /// handle and co-resident capacity), so that no allreduce makes these
     /// driver calls later: a first call inside CUDA-graph capture must not
     /// have to.
+    ///
     /// Where the PTX is loaded, this first JIT-compiles the group's three
     /// families (one per element type), concurrently.
     pub fn prepare(&self, world: usize, virtual_ranks: bool, threads: u32) -> Result<()> {
