@@ -51,6 +51,17 @@ pub fn assemble_into(
     arch: &str,
     cubin: &Path,
 ) -> Result<Vec<KernelResources>, String> {
+    assemble_report(ptxas, ptx_file, arch, cubin).map(|text| parse_report(&text))
+}
+
+/// [`assemble_into`], returning the `-v` report as text (for
+/// [`parse_report`]; build.rs caches it with the cubin).
+pub fn assemble_report(
+    ptxas: &Path,
+    ptx_file: &Path,
+    arch: &str,
+    cubin: &Path,
+) -> Result<String, String> {
     let out = Command::new(ptxas)
         .arg(format!("-arch={arch}"))
         .arg("-v")
@@ -68,7 +79,16 @@ pub fn assemble_into(
             ptx_file.display()
         ));
     }
-    Ok(parse_report(&text))
+    Ok(text)
+}
+
+/// What `ptxas --version` prints (its last line names the release), or
+/// `None` if it does not run.
+pub fn version(ptxas: &Path) -> Option<String> {
+    let out = Command::new(ptxas).arg("--version").output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// Parses the `ptxas -v` report: one record per "Compiling entry function".

@@ -14,11 +14,29 @@ pub struct InfoArgs {
     /// one column per architecture).
     #[arg(long)]
     pub kernels: bool,
+    /// Measure on GPU `--gpu` how long the kernels take to load: the
+    /// cubin's decompression and cuModuleLoadData, the PTX's decompression,
+    /// one family's JIT compilation, and the first call of a world-2 bf16
+    /// VirtualGroup that loads the PTX (ImageChoice::Ptx). Run in a fresh
+    /// process with CUDA_CACHE_DISABLE=1, or the driver's JIT cache answers.
+    #[arg(long)]
+    pub load_times: bool,
+    /// With --load-times: also JIT-compile the whole PTX (all 432 entries)
+    /// as one module, as releases before per-family loading did (about a
+    /// minute on an H200).
+    #[arg(long, requires = "load_times")]
+    pub whole_ptx: bool,
+    /// The GPU --load-times measures on.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
 }
 
 pub fn run(args: &InfoArgs) -> ExitCode {
     println!("p2p-allreduce {}", env!("CARGO_PKG_VERSION"));
     println!("kernel toolchain: {}", ptx::KERNEL_TOOLCHAIN);
+    if args.load_times {
+        return crate::load_times::run(args.gpu, args.whole_ptx);
+    }
     print_ptx(args.kernels);
     println!();
     print_gpus();
@@ -33,9 +51,36 @@ fn stats_of(arch: &str) -> Vec<&'static KernelStats> {
         .collect()
 }
 
+/// "1.2 MiB / 13.8 MiB": embedded (compressed) / decompressed.
+fn sizes(image: &ptx::Image) -> String {
+    format!(
+        "{} / {}",
+        fmt_bytes(image.compressed_len() as u64),
+        fmt_bytes(image.len() as u64)
+    )
+}
+
+/// Devices people run, by compute capability, for the table of what each
+/// one loads.
+const DEVICES: &[((u32, u32), &str)] = &[
+    ((8, 0), "A100"),
+    ((8, 6), "A10, RTX 3090"),
+    ((8, 9), "L40S, RTX 4090"),
+    ((9, 0), "H100, H200, GH200"),
+    ((10, 0), "B200, GB200"),
+    ((10, 3), "B300, GB300"),
+    ((11, 0), "Jetson Thor (CUDA 13)"),
+    ((12, 0), "RTX PRO 6000, RTX 5090"),
+    ((12, 1), "GB10 (DGX Spark)"),
+    ((13, 0), "a future architecture"),
+];
+
 fn print_ptx(list_kernels: bool) {
     match ptx::PTXAS_USED {
-        Some(path) => println!("register/spill numbers: from `ptxas -v` at build time ({path})"),
+        Some(path) => println!(
+            "register/spill numbers: from `ptxas -v` at build time ({path}, {})",
+            ptx::PTXAS_VERSION.unwrap_or("version unknown")
+        ),
         None => println!(
             "register/spill numbers: none: ptxas was not available at build time, so the PTX was \
              not assembled here and no SASS is embedded (the driver JIT-compiles the PTX on first use)"
@@ -43,16 +88,18 @@ fn print_ptx(list_kernels: bool) {
     }
     let entries = Entry::all().len();
     println!(
-        "embedded PTX modules: {} ({} entries each)",
+        "embedded kernels: {} architectures, {} entries each, {} (embedded / decompressed once, when first loaded)",
         ptx::MODULES.len(),
-        entries
+        entries,
+        ptx::IMAGE_COMPRESSION
     );
     println!(
-        "  {:<8} {:>5} {:>10} {:>10} {:>8} {:>13} {:>12} {:>12}",
-        "arch", "cc", "PTX", "SASS", "entries", "registers", "spill st/ld", "stack frame"
+        "  {:<8} {:>5} {:>21} {:>8} {:>13} {:>12} {:>12}",
+        "arch", "cc", "SASS", "PTX", "registers", "spill st/ld", "stack frame"
     );
+    let mut embedded = 0u64;
+    let mut decompressed = 0u64;
     for m in ptx::MODULES {
-        let n_entries = m.ptx.matches(".entry ").count();
         let stats = stats_of(m.arch);
         let (regs, spill, stack) = if stats.is_empty() {
             ("-".to_string(), "-".to_string(), "-".to_string())
@@ -68,19 +115,69 @@ fn print_ptx(list_kernels: bool) {
                 format!("max {frame} B"),
             )
         };
+        if let Some(c) = m.cubin_image() {
+            embedded += c.compressed_len() as u64;
+            decompressed += c.len() as u64;
+        }
         println!(
-            "  {:<8} {:>5} {:>10} {:>10} {:>8} {:>13} {:>12} {:>12}",
+            "  {:<8} {:>5} {:>21} {:>8} {:>13} {:>12} {:>12}",
             m.arch,
             format!("{}.{}", m.compute_capability.0, m.compute_capability.1),
-            fmt_bytes(m.ptx.len() as u64),
-            m.cubin
-                .map_or("-".to_string(), |c| fmt_bytes(c.len() as u64)),
-            n_entries,
+            m.cubin_image().map_or("-".to_string(), sizes),
+            m.ptx_arch,
             regs,
             spill,
             stack
         );
     }
+    println!(
+        "  {:<8} {:>5} {:>21} {:>8}",
+        "PTX", "cc", "(embedded / loaded)", "entries"
+    );
+    for arch in ptx::built_ptx_archs() {
+        let Some(m) = ptx::MODULES
+            .iter()
+            .find(|m| m.arch == arch || m.ptx_arch == arch)
+        else {
+            continue;
+        };
+        let image = m.ptx_image();
+        embedded += image.compressed_len() as u64;
+        decompressed += image.len() as u64;
+        let cc = arch.trim_start_matches("sm_");
+        println!(
+            "  {:<8} {:>5} {:>21} {:>8}",
+            arch,
+            format!("{}.{}", &cc[..cc.len() - 1], &cc[cc.len() - 1..]),
+            sizes(image),
+            m.entry_names().count()
+        );
+    }
+    println!(
+        "  all images: {} embedded, {} decompressed",
+        fmt_bytes(embedded),
+        fmt_bytes(decompressed)
+    );
+    println!("what a device loads (Config::kernel_image = Auto):");
+    for &(cc, names) in DEVICES {
+        let what = match ptx::module_for(cc) {
+            None => {
+                "nothing: no embedded architecture at or below it (groups fail with NoPtxForDevice)"
+                    .to_string()
+            }
+            Some(m) if m.runs_sass_on(cc) => format!("SASS {} (no JIT)", m.arch),
+            Some(m) => format!(
+                "PTX {}, JIT-compiled one family (9 entries) at a time as groups need them",
+                m.ptx_arch
+            ),
+        };
+        println!(
+            "  cc {:>4} {:<24} {what}",
+            format!("{}.{}", cc.0, cc.1),
+            names
+        );
+    }
+    println!("  (build for fewer architectures with P2P_ALLREDUCE_ARCHS, e.g. P2P_ALLREDUCE_ARCHS=sm_90)");
     if list_kernels {
         print_kernel_table();
     } else if ptx::PTXAS_USED.is_some() {

@@ -22,6 +22,7 @@ mod bench;
 mod check;
 mod hostlink;
 mod info;
+mod load_times;
 mod plot;
 mod procs;
 mod soak;

@@ -4,16 +4,16 @@
 use super::{compute_capability, module_for_device, record_drop_error};
 use crate::abi::{LaunchArgs, NormArgs};
 use crate::error::{Context as _, Result};
-use crate::ptx::{Entry, ImageChoice, LoadedImage, PtxBecause, PtxModule};
+use crate::ptx::{Entry, Family, ImageChoice, LoadedImage, PtxBecause, PtxModule};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex};
 
-/// The kernel module loaded into one context, with entry lookups cached.
+/// The kernel module(s) loaded into one context, with entry lookups cached.
 pub struct Kernels {
     ctx: Arc<CudaContext>,
-    module: sys::CUmodule,
+    modules: Modules,
     pub ptx: &'static PtxModule,
     image: LoadedImage,
     functions: Mutex<HashMap<Entry, usize>>,
@@ -22,6 +22,15 @@ pub struct Kernels {
     capacity: Mutex<HashMap<(Entry, u32), u32>>,
     /// Co-resident cluster capacity per (entry, threads, CTAs per cluster).
     cluster_capacity: Mutex<HashMap<(Entry, u32, u32), u32>>,
+}
+
+/// What is loaded: the whole cubin (one module, no JIT), or the PTX one
+/// family at a time, each JIT-compiled when first needed.
+enum Modules {
+    Sass(sys::CUmodule),
+    /// Indexed by [`Family::index`]; each slot loads once (its lock held
+    /// while the driver compiles it, so other families load meanwhile).
+    Ptx(Vec<Mutex<Option<sys::CUmodule>>>),
 }
 
 /// The launch attribute of thread-block clusters of `ctas` blocks along x.
@@ -89,47 +98,147 @@ impl Kernels {
         Ok(k)
     }
 
-    /// Loads the module for `ctx` (not shared; see [`Kernels::for_context`]):
-    /// the cubin where `choice` allows it and it runs on the device, else
-    /// the PTX. A cubin the driver refuses falls back to the PTX, and
-    /// [`Kernels::image`] says why.
+    /// Loads the kernels for `ctx` (not shared; see
+    /// [`Kernels::for_context`]): the cubin where `choice` allows it and it
+    /// runs on the device (one module, decompressed on first use), else the
+    /// PTX, one family at a time as groups need them
+    /// ([`Kernels::load_family`]; nothing is compiled here). A cubin the
+    /// driver refuses falls back to the PTX, and [`Kernels::image`] says
+    /// why.
     pub fn load(ctx: &Arc<CudaContext>, choice: ImageChoice) -> Result<Self> {
         let ptx = module_for_device(ctx)?;
         let cc = compute_capability(ctx)?;
         ctx.bind_to_thread().during("cuCtxSetCurrent")?;
         let because = match ptx.cubin_for(cc, choice) {
             Ok(cubin) => {
-                // SAFETY: `cubin` is an ELF image embedded in this binary
-                // ('static, 16-byte aligned), alive for the whole call.
+                // SAFETY: `cubin` is an ELF image decompressed from this
+                // binary into memory kept for the process ('static, 16-byte
+                // aligned), alive for the whole call.
                 match unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) } {
-                    Ok(module) => return Ok(Self::new(ctx, module, ptx, LoadedImage::Sass)),
+                    Ok(module) => {
+                        return Ok(Self::new(
+                            ctx,
+                            Modules::Sass(module),
+                            ptx,
+                            LoadedImage::Sass,
+                        ))
+                    }
                     Err(e) => PtxBecause::Refused(e.to_string()),
                 }
             }
             Err(because) => because,
         };
-        let src = CString::new(ptx.ptx).expect("embedded PTX has no NUL byte");
-        // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
-        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }
-            .during("cuModuleLoadData")?;
-        Ok(Self::new(ctx, module, ptx, LoadedImage::Ptx(because)))
+        let slots = Family::all().iter().map(|_| Mutex::new(None)).collect();
+        Ok(Self::new(
+            ctx,
+            Modules::Ptx(slots),
+            ptx,
+            LoadedImage::Ptx(because),
+        ))
     }
 
     fn new(
         ctx: &Arc<CudaContext>,
-        module: sys::CUmodule,
+        modules: Modules,
         ptx: &'static PtxModule,
         image: LoadedImage,
     ) -> Self {
         Kernels {
             ctx: ctx.clone(),
-            module,
+            modules,
             ptx,
             image,
             functions: Mutex::new(HashMap::new()),
             capacity: Mutex::new(HashMap::new()),
             cluster_capacity: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The module holding `family`'s entries: the cubin's, or the family's
+    /// own PTX module, JIT-compiled by the driver on the first call (about
+    /// 1/48 of the whole PTX; later calls, and calls from other threads
+    /// meanwhile, wait for that one compilation).
+    fn module_of(&self, family: Family) -> Result<sys::CUmodule> {
+        let slots = match &self.modules {
+            Modules::Sass(m) => return Ok(*m),
+            Modules::Ptx(slots) => slots,
+        };
+        let slot = family
+            .index()
+            .and_then(|i| slots.get(i))
+            .ok_or(crate::error::Error::WorldSize(family.world))?;
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = *slot {
+            return Ok(m);
+        }
+        let src = CString::new(self.ptx.family_ptx(family)).expect("embedded PTX has no NUL byte");
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
+        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }
+            .during("cuModuleLoadData (JIT-compiling one family's PTX)")?;
+        *slot = Some(module);
+        Ok(module)
+    }
+
+    /// JIT-compiles the device's whole PTX (all entries) as one module and
+    /// unloads it: what loading the PTX cost before it was loaded per
+    /// family (`p2p-allreduce info --load-times --whole-ptx` times it).
+    pub fn load_whole_ptx(ctx: &Arc<CudaContext>) -> Result<()> {
+        let ptx = module_for_device(ctx)?;
+        let src = CString::new(ptx.ptx()).expect("embedded PTX has no NUL byte");
+        ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: `src` is a NUL-terminated PTX image that outlives the call.
+        let module = unsafe { result::module::load_data(src.as_ptr() as *const c_void) }
+            .during("cuModuleLoadData (JIT-compiling the whole PTX)")?;
+        // SAFETY: loaded just above, unloaded once, no function taken from it.
+        unsafe { result::module::unload(module) }.during("cuModuleUnload")
+    }
+
+    /// Makes `family`'s entries launchable: nothing to do for the cubin;
+    /// for the PTX, JIT-compiles the family's module unless it is loaded.
+    pub fn load_family(&self, family: Family) -> Result<()> {
+        self.module_of(family).map(|_| ())
+    }
+
+    /// The families whose PTX modules are loaded (none for the cubin).
+    pub fn loaded_families(&self) -> Vec<Family> {
+        match &self.modules {
+            Modules::Sass(_) => Vec::new(),
+            Modules::Ptx(slots) => Family::all()
+                .into_iter()
+                .zip(slots)
+                .filter(|(_, s)| s.lock().unwrap_or_else(|p| p.into_inner()).is_some())
+                .map(|(f, _)| f)
+                .collect(),
+        }
+    }
+
+    /// Loads `families` at once, one thread each (the driver compiles each
+    /// family's PTX on the thread that asks); the first error, if any.
+    pub fn load_families(&self, families: &[Family]) -> Result<()> {
+        if matches!(self.modules, Modules::Sass(_)) || families.len() <= 1 {
+            return families.iter().try_for_each(|f| self.load_family(*f));
+        }
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let mut handles = Vec::new();
+            let mut inline = Vec::new();
+            for f in &families[1..] {
+                let spawned = std::thread::Builder::new()
+                    .name("p2p-allreduce-jit".into())
+                    .spawn_scoped(s, move || self.load_family(*f));
+                match spawned {
+                    Ok(h) => handles.push(h),
+                    // No thread to be had: compile it here.
+                    Err(_) => inline.push(self.load_family(*f)),
+                }
+            }
+            inline.push(self.load_family(families[0]));
+            for h in handles {
+                inline.push(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+            }
+            inline
+        });
+        results.into_iter().collect()
     }
 
     /// The image this module was loaded from.
@@ -236,16 +345,25 @@ impl Kernels {
     }
 
     pub fn function(&self, entry: Entry) -> Result<sys::CUfunction> {
-        let mut cache = self.functions.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(f) = cache.get(&entry) {
+        if let Some(f) = self
+            .functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&entry)
+        {
             return Ok(*f as sys::CUfunction);
         }
+        // Not under the cache's lock: this may JIT-compile a family.
+        let module = self.module_of(entry.family())?;
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
         let name = CString::new(entry.name()).expect("entry names have no NUL byte");
         // SAFETY: the module is loaded and stays loaded while `self` lives.
-        let f = unsafe { result::module::get_function(self.module, name) }
-            .during("cuModuleGetFunction")?;
-        cache.insert(entry, f as usize);
+        let f =
+            unsafe { result::module::get_function(module, name) }.during("cuModuleGetFunction")?;
+        self.functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(entry, f as usize);
         Ok(f)
     }
 
@@ -253,7 +371,11 @@ impl Kernels {
     /// handle and co-resident capacity), so that no allreduce makes these
     /// driver calls later: a first call inside CUDA-graph capture must not
     /// have to.
+    ///
+    /// Where the PTX is loaded, this first JIT-compiles the group's three
+    /// families (one per element type), concurrently.
     pub fn prepare(&self, world: usize, virtual_ranks: bool, threads: u32) -> Result<()> {
+        self.load_families(&Family::of_group(world, virtual_ranks))?;
         for op in [crate::ptx::Op::Allreduce, crate::ptx::Op::AddRmsNorm] {
             for &algorithm in op.algorithms() {
                 for dtype in crate::abi::Dtype::ALL {
@@ -360,10 +482,20 @@ impl Kernels {
 
 impl Drop for Kernels {
     fn drop(&mut self) {
-        let r = self.ctx.bind_to_thread().and_then(|()| {
-            // SAFETY: the module was loaded by `load` and is unloaded once.
-            unsafe { result::module::unload(self.module) }
-        });
-        record_drop_error(&self.ctx, r);
+        let loaded: Vec<sys::CUmodule> = match &mut self.modules {
+            Modules::Sass(m) => vec![*m],
+            Modules::Ptx(slots) => slots
+                .iter_mut()
+                .filter_map(|s| *s.get_mut().unwrap_or_else(|p| p.into_inner()))
+                .collect(),
+        };
+        for module in loaded {
+            let r = self.ctx.bind_to_thread().and_then(|()| {
+                // SAFETY: each module was loaded by this value, is unloaded
+                // once, and no function of it is used after `self` drops.
+                unsafe { result::module::unload(module) }
+            });
+            record_drop_error(&self.ctx, r);
+        }
     }
 }

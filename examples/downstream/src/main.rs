@@ -45,12 +45,25 @@ fn kernel_provider() {
         virtual_ranks: false,
     };
     println!("built archs: {:?}", ptx::built_archs());
+    // The PTX and the cubin are embedded compressed; `ptx()` and `cubin()`
+    // decompress them on first use and keep them (`&'static`).
+    let text: &'static str = module.ptx();
     println!(
-        "module for cc 9.0: {} ({} bytes of PTX)",
+        "module for cc 9.0: {} ({} bytes of PTX, {} embedded)",
         module.arch,
-        module.ptx.len()
+        text.len(),
+        module.ptx_image().compressed_len()
     );
-    println!("entry: {}", entry.name());
+    if let Some(cubin) = module.cubin() {
+        assert!(cubin.starts_with(b"\x7fELF"), "a cubin is an ELF image");
+        println!("SASS for {}: {} bytes", module.arch, cubin.len());
+    }
+    assert!(text.contains(&format!(".entry {}(", entry.name())));
+    // One family's entries alone (a smaller module for a launcher that
+    // JIT-compiles): the entry is in it.
+    let family = module.family_ptx(entry.family());
+    assert!(family.contains(&format!(".entry {}(", entry.name())));
+    println!("entry: {} (its family's PTX: {} bytes)", entry.name(), family.len());
     println!(
         "LaunchArgs: {} bytes, align {} (one by-value kernel parameter)",
         std::mem::size_of::<LaunchArgs>(),
