@@ -216,6 +216,76 @@ fn concurrent_first_use_decompresses_once() {
     assert!(addrs.windows(2).all(|w| w[0] == w[1]), "{addrs:?}");
 }
 
+/// The body of entry `name` in `ptx`.
+fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let at = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("entry {name} missing"));
+    let rest = &ptx[at..];
+    let end = rest.find("\n}\n").map_or(rest.len(), |e| e + 3);
+    &rest[..end]
+}
+
+/// Issue 31 (racecheck): the fused push_ll split over a cluster stores into
+/// other CTAs' shared memory only after a cluster barrier wait that shows
+/// every CTA started. The kernel arrives as its first instruction, before
+/// any access to memory (so the default release arrive orders nothing),
+/// and waits later (`ClusterRow::combine`); and the cluster exchange is
+/// still there. sm_80 has no clusters.
+#[test]
+fn fused_push_ll_arrives_at_the_cluster_barrier_before_any_memory_access() {
+    for m in MODULES {
+        let cluster = m.compute_capability.0 >= 9;
+        for e in Entry::all().into_iter().filter(|e| {
+            e.op == ptx::Op::AddRmsNorm && e.algorithm == p2p_allreduce::Algorithm::PushLl
+        }) {
+            let body = entry_body(m.ptx(), &e.name());
+            let arrive = body.find("barrier.cluster.arrive.aligned;");
+            if !cluster {
+                assert!(
+                    arrive.is_none(),
+                    "{}: {} has a cluster barrier",
+                    m.arch,
+                    e.name()
+                );
+                continue;
+            }
+            let arrive =
+                arrive.unwrap_or_else(|| panic!("{}: {}: no early arrive", m.arch, e.name()));
+            for access in [
+                "ld.global",
+                "ld.volatile",
+                "st.global",
+                "st.volatile",
+                "atom.",
+                "ld.shared",
+                "st.shared",
+            ] {
+                if let Some(first) = body.find(access) {
+                    assert!(
+                        arrive < first,
+                        "{}: {}: {access} before the cluster arrive",
+                        m.arch,
+                        e.name()
+                    );
+                }
+            }
+            assert!(
+                body.contains("barrier.cluster.wait"),
+                "{}: {}: no wait",
+                m.arch,
+                e.name()
+            );
+            assert!(
+                body.contains("st.shared::cluster"),
+                "{}: {}: no exchange",
+                m.arch,
+                e.name()
+            );
+        }
+    }
+}
+
 #[test]
 fn no_unresolved_functions() {
     for m in ptx_modules() {

@@ -175,6 +175,37 @@ pub fn cluster_sync() {
     }
 }
 
+/// `barrier.cluster.arrive`: this thread tells the cluster's barrier that
+/// it has started. Paired with a later [`cluster_wait`] (before this thread
+/// arrives again): once that wait returns, every CTA of the cluster is
+/// known to have started, which the CUDA programming model requires before
+/// any access to another CTA's distributed shared memory. Every thread of
+/// every CTA of the cluster must call it (`.aligned`: the warp converged).
+///
+/// The PTX of sm_90 is version 7.8 (rustc's default for that target),
+/// which has no `.relaxed` arrive (PTX 8.0); the default (`.release`)
+/// orders this thread's earlier memory accesses before the arrival, so the
+/// kernel calls it before its first one, where it orders nothing and so
+/// costs what a relaxed arrival would.
+#[cfg(target_feature = "sm_90")]
+#[inline(always)]
+pub fn cluster_arrive_early() {
+    // SAFETY: an arrival at the cluster barrier; callers keep control flow
+    // uniform across the cluster and pair it with `cluster_wait`.
+    unsafe { asm!("barrier.cluster.arrive.aligned;", options(nostack)) }
+}
+
+/// `barrier.cluster.wait` (acquire): waits until every non-exited thread of
+/// the cluster has arrived at the barrier's current phase (after this
+/// thread's own [`cluster_arrive_early`]).
+#[cfg(target_feature = "sm_90")]
+#[inline(always)]
+pub fn cluster_wait() {
+    // SAFETY: a wait at the cluster barrier, after this thread's arrival;
+    // control flow uniform across the cluster (callers).
+    unsafe { asm!("barrier.cluster.wait.aligned;", options(nostack)) }
+}
+
 /// `shfl.sync.idx.b32` from lane 0 over the whole warp: every lane gets
 /// lane 0's `v`. Every lane of the warp must call it together.
 #[inline(always)]

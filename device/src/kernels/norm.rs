@@ -727,6 +727,12 @@ struct ClusterRow {
     /// This CTA's [`crate::abi::NORM_CLUSTER_WORDS`] exchange words (`None`
     /// without a split).
     words: Option<SharedWords>,
+    /// Whether this thread has waited at the cluster barrier since its
+    /// arrival at the kernel's start ([`cluster_arrive_early`], in
+    /// [`allreduce_rmsnorm_ll`]): that wait comes before the first store
+    /// into another CTA's shared memory, in the first row's
+    /// [`ClusterRow::combine`].
+    started: bool,
 }
 
 impl ClusterRow {
@@ -744,18 +750,30 @@ impl ClusterRow {
     /// CTA c's; an absent one adds +0.0, which changes no partial, as in
     /// the tree) and ORs the votes.
     ///
-    /// Every store into a CTA's words is issued before a cluster barrier
-    /// that CTA then passes, so no CTA reads another's shared memory and
-    /// none needs to wait for the others before it exits. The words of a
-    /// parity are stored again two rows later, after the next row's
-    /// barrier, which no CTA passes before every CTA has read these.
+    /// Every store into a CTA's words is issued after a cluster barrier
+    /// wait that shows every CTA of the cluster started (the first row's:
+    /// the wait that completes the kernel's first arrival, issued here,
+    /// after the row's loads and LL waits, so it overlaps them; later rows':
+    /// the previous row's barrier) and before a cluster barrier that the
+    /// CTA stored into then passes, so no CTA reads another's shared memory
+    /// and none needs to wait for the others before it exits: every CTA
+    /// runs the same rows, so its last row's barrier comes after the last
+    /// store into its words. The words of a parity are stored again two
+    /// rows later, after the next row's barrier, which no CTA passes before
+    /// every CTA has read these. Each thread's arrivals and waits alternate:
+    /// the kernel's arrival, this wait, then one arrival and one wait per
+    /// row ([`cluster_sync`]); a cluster whose CTAs leave before any row
+    /// (they all do: their exits are uniform over the cluster) leaves its
+    /// arrival unwaited, which the barrier allows (a wait counts only
+    /// threads that have not exited).
     ///
     /// # Safety
     /// Active; every thread of every CTA of the cluster calls it, for the
-    /// same rows in the same order; `sh` as for [`groups_total`].
+    /// same rows in the same order, after [`cluster_arrive_early`] at the
+    /// kernel's start; `sh` as for [`groups_total`].
     #[inline(always)]
     unsafe fn combine(
-        &self,
+        &mut self,
         sh: SharedWords,
         chunks: u32,
         failed: bool,
@@ -769,15 +787,22 @@ impl ClusterRow {
             };
             let parity = (half * crate::abi::NORM_MAX_CTAS * 2) as u32;
             let tid = thread_idx_x();
+            if !self.started {
+                // Every CTA of the cluster has started (arrived) before any
+                // store into its shared memory below.
+                cluster_wait();
+                self.started = true;
+            }
             if tid < WARP {
                 // SAFETY: forwarded (`sh`); warp 0, converged.
                 let local = unsafe { groups_total(sh, chunks) };
                 if tid < self.ctas {
                     // SAFETY: words parity + 2 cta, + 1 < NORM_CLUSTER_WORDS
-                    // (cta < ctas <= NORM_MAX_CTAS); CTA `tid` < ctas is
-                    // alive until the barrier below, and no CTA reads this
-                    // parity's words between the last barrier and it
-                    // (above).
+                    // (cta < ctas <= NORM_MAX_CTAS); CTA `tid` < ctas has
+                    // started (the wait above or an earlier row's barrier)
+                    // and is alive until the barrier below, and no CTA
+                    // reads this parity's words between the last barrier
+                    // and it (above).
                     unsafe {
                         words.store2_cluster(
                             parity + 2 * self.cta,
@@ -888,6 +913,7 @@ impl<const SPLIT: bool> RegRows<SPLIT> {
                     1
                 },
                 words: if SPLIT { split } else { None },
+                started: false,
             },
         };
         if on {
@@ -1503,6 +1529,21 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
 #[inline(always)]
 unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u32) {
     let a = &p.base;
+    // Launched in thread-block clusters (sm_90+), the CTAs of a cluster
+    // split each of the cluster's rows; else a block takes whole rows, by
+    // code that computes no range.
+    let (ctas, _) = cluster_shape();
+    // Split rows: this thread has started, said before its first memory
+    // access. Its wait comes before the first store into another CTA's
+    // shared memory (`ClusterRow::combine`), so the arrival's round trip
+    // overlaps the loads and the LL waits. Every exit before that wait
+    // (an absent rank, a bad launch, an unregistered input, no rows) is
+    // taken by every CTA of the cluster alike: they are one rank's, with
+    // the same rows.
+    #[cfg(target_feature = "sm_90")]
+    if ctas > 1 {
+        cluster_arrive_early();
+    }
     // The table and epoch loads first: they head the longest chain (own
     // input, sends, the peers' waits); the work below overlaps them.
     // SAFETY: the launch contract.
@@ -1511,10 +1552,6 @@ unsafe fn allreduce_rmsnorm_ll<E: Element, const N: usize>(p: &NormArgs, rank: u
     };
     // The shared arrays, declared once for both paths below.
     let (sh, words) = (norm_shared(), norm_cluster_words());
-    // Launched in thread-block clusters (sm_90+), the CTAs of a cluster
-    // split each of the cluster's rows; else a block takes whole rows, by
-    // code that computes no range.
-    let (ctas, _) = cluster_shape();
     // SAFETY: forwarded launch contract; `sh` and `words` are this block's.
     unsafe {
         if ctas > 1 {
