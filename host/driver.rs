@@ -374,8 +374,20 @@ pub fn p2p_native_atomics(a: sys::CUdevice, b: sys::CUdevice) -> Result<bool> {
 
 /// Whether `stream` is capturing a CUDA graph.
 pub fn is_capturing(stream: &CudaStream) -> Result<bool> {
-    let st = stream.capture_status().during("cuStreamGetCaptureInfo")?;
+    let st = capture_status(stream)?;
     Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// `stream`'s capture status, leaving the context's deferred error (cudarc
+/// reports it from every call that binds the context through
+/// `bind_to_thread`, `CudaStream::capture_status` too) where it is.
+fn capture_status(stream: &CudaStream) -> Result<sys::CUstreamCaptureStatus> {
+    // SAFETY: the context is live (the stream holds it); making it current
+    // on this thread is what `bind_to_thread` does, without its check.
+    unsafe { result::ctx::set_current(stream.context().cu_ctx()) }.during("cuCtxSetCurrent")?;
+    // SAFETY: `stream` is a live stream of the current context; the call
+    // only reads its capture status.
+    unsafe { result::stream::is_capturing(stream.cu_stream()) }.during("cuStreamIsCapturing")
 }
 
 /// For a stream whose context has cudarc's event tracking on: whether its
@@ -387,24 +399,33 @@ pub fn is_capturing(stream: &CudaStream) -> Result<bool> {
 /// which then had no effect), that error is dropped: the capture goes on.
 /// Any other deferred error is left for `check()` to report.
 pub fn capture_invalidated(stream: &CudaStream) -> Result<Option<String>> {
-    let st = stream.capture_status().during("cuStreamGetCaptureInfo")?;
     let ctx = stream.context();
+    // Taken first: cudarc reports a deferred error from every call that
+    // binds the context (`capture_status` too), so the refused wait would
+    // come back as that call's error instead of being judged here.
+    let deferred = ctx.check_err().err();
+    let st = capture_status(stream)?;
     match st {
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => {
-            Ok(Some(match ctx.check_err() {
-                Err(e) => format!("the refused call: {e}"),
-                Ok(()) => "no deferred error recorded".into(),
+            Ok(Some(match deferred {
+                Some(e) => format!("the refused call: {e}"),
+                None => "no deferred error recorded".into(),
             }))
         }
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {
-            if let Err(e) = ctx.check_err() {
+            if let Some(e) = deferred {
                 if e.0 != sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION {
                     ctx.record_err::<()>(Err(e));
                 }
             }
             Ok(None)
         }
-        _ => Ok(None),
+        _ => {
+            if let Some(e) = deferred {
+                ctx.record_err::<()>(Err(e));
+            }
+            Ok(None)
+        }
     }
 }
 
