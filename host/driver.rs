@@ -235,7 +235,8 @@ impl DeviceAlloc {
         unsafe { result::memset_d8_sync(self.ptr, 0, self.bytes.max(256)) }.during("cuMemsetD8")?;
         self.ctx.synchronize().during("cuCtxSynchronize")
     }
-    /// Copies `src` into the start of the allocation (synchronous).
+    /// Copies `src` into the start of the allocation (synchronous: the
+    /// bytes are in device memory when it returns, for work on any stream).
     pub fn write<T: PlainData>(&self, src: &[T]) -> Result<()> {
         assert!(
             std::mem::size_of_val(src) <= self.bytes.max(256),
@@ -243,7 +244,12 @@ impl DeviceAlloc {
         );
         self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
         // SAFETY: bounds checked above; T is plain data (PlainData).
-        unsafe { result::memcpy_htod_sync(self.ptr, src) }.during("cuMemcpyHtoD")
+        unsafe { result::memcpy_htod_sync(self.ptr, src) }.during("cuMemcpyHtoD")?;
+        // cuMemcpyHtoD from pageable memory may return once the bytes are
+        // staged, before their DMA lands; a kernel on a non-blocking stream
+        // (or a peer process reading this buffer) could then see the old
+        // bytes (the GPU suite's fault matrix saw a poisoned element).
+        self.ctx.synchronize().during("cuCtxSynchronize")
     }
     /// Reads the start of the allocation into `dst` (synchronous).
     pub fn read<T: PlainData>(&self, dst: &mut [T]) -> Result<()> {

@@ -82,6 +82,33 @@ run)
   step gpu-suite "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu"
   if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then exit $status; fi
   step cli-check 150 "$B/p2p-allreduce" check --quick
+  # NVIDIA's compute-sanitizer (docs/sanitizers.md): racecheck over the
+  # fused push_ll split over clusters; every tool over every kernel family:
+  # `check --quick` (every algorithm, virtual ranks, worlds 2, 3, 8), the
+  # PeerGroup case (every algorithm's real-rank entries and the fused call
+  # in place, two ranks on GPU 0) and the fused op's case. Each must report
+  # 0 errors (exit 1 on any). Off with GPU_CHECK_SANITIZER=0; per-step
+  # timeout GPU_SANITIZER_TIMEOUT.
+  if [ "${GPU_CHECK_SANITIZER:-1}" = 1 ]; then
+    CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+    if [ -z "$CS" ]; then
+      echo "== sanitizer: not run (no compute-sanitizer on PATH or in /usr/local/cuda/bin)"
+    else
+      ST=${GPU_SANITIZER_TIMEOUT:-600}
+      san() { # name tool command...
+        local name=$1 tool=$2; shift 2
+        local extra=()
+        [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+        step "sanitizer-$name" "$ST" "$CS" --tool "$tool" "${extra[@]}" --error-exitcode 1 --print-limit 20 "$@"
+      }
+      san racecheck-fused-split racecheck "$B/test-gpu" fused_push_ll_split
+      for tool in memcheck racecheck synccheck initcheck; do
+        san "$tool-check-quick" "$tool" "$B/p2p-allreduce" check --quick
+        san "$tool-peer-group" "$tool" "$B/test-gpu" peer_group_one_gpu
+        san "$tool-fused" "$tool" "$B/test-gpu" fused_add_rmsnorm_bit_exact
+      done
+    fi
+  fi
   if [ "$ngpu" -ge 2 ]; then
     step check-gpus 300 "$B/p2p-allreduce" check --gpus 0,1
     step check-procs 300 "$B/p2p-allreduce" check --procs --gpus 0,1
