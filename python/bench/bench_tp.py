@@ -384,6 +384,7 @@ def _worker(rank, world, gpus, port, args):
             # stream, and the eager bits would then differ for torch's
             # reasons, not ours.
             state.reset(res0)
+            run_stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(run_stream):
                 step()
             torch.cuda.synchronize(dev)
