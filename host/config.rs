@@ -17,7 +17,7 @@ use std::time::Duration;
 pub const AUTO_BLOCKS_SAME_DEVICE: u32 = 16;
 /// Automatic block cap for ranks on distinct GPUs: large messages need many
 /// requests in flight to fill NVLink. On 2 x H200, 16 blocks reached 162
-/// GB/s bus bandwidth at 64 MiB, 32 and 64 blocks ~320 (docs/benchmarks.md).
+/// GB/s bus bandwidth at 64 MiB, 32 and 64 blocks ~320 (git show a6c9fec:docs/benchmarks.md).
 pub const AUTO_BLOCKS_CROSS_DEVICE: u32 = 64;
 
 /// Group settings.
@@ -84,7 +84,7 @@ pub struct Config {
     /// per row. An explicit value holds for every call: a cluster takes its
     /// rows one after another, so at many rows a large cluster keeps fewer
     /// rows in flight and can be several times slower than whole rows
-    /// (docs/benchmarks.md), where `None` would not split.
+    /// (docs/design.md, "Splitting a fused row over a cluster"), where `None` would not split.
     pub fused_ctas: Option<u32>,
     /// Which image of the embedded kernels the group loads: `Auto` (the
     /// default) the build's cubin for the device where there is one, so

@@ -461,9 +461,12 @@ impl ProcessGroup {
     /// [`ProcessGroup::allreduce`] after checking, through `exchange`, that
     /// every rank passes the same dtype, element count and algorithm choice.
     /// A mismatch is `Error::RankMismatch` on every rank, before any kernel
-    /// runs (without the check, a different count would end in a peer
-    /// timeout and a different dtype in wrong sums). Costs one host
-    /// round trip per call: for debugging and for first calls.
+    /// runs. Without the check, calls that differ are not caught: a
+    /// different count or dtype returns without an error and leaves wrong
+    /// sums (elements past the shorter call's end are summed with whatever
+    /// the peer's buffer holds), a different algorithm can end in a peer
+    /// timeout. Costs one host round trip per call: for debugging and for
+    /// first calls.
     ///
     /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
     /// (no wait) and [`Self::check`] report them, and the next call refuses

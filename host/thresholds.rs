@@ -91,7 +91,7 @@ impl Default for Thresholds {
         const K: usize = 1024;
         const M: usize = 1024 * 1024;
         // Where one-stage stops, per world size 0..=8 (0 and 1 unused).
-        // Same device: the H200 virtual-rank bf16 sweep (docs/benchmarks.md):
+        // Same device: the H200 virtual-rank bf16 sweep (docs/design.md, history):
         // one-stage is faster up to 8 MiB for N=2, 1 MiB for N=4 and
         // 256 KiB for N=8; odd world sizes interpolated.
         let same = [0, 0, 8 * M, 2 * M, M, M, 512 * K, 256 * K, 256 * K];
