@@ -19,6 +19,11 @@ if ! ready; then
     echo "test-engines: SKIPPED: pip could not install python/tests/engines-requirements.txt (pins made for CPython 3.11, x86_64)"
     exit 0
   fi
+  # Installed but not importable: the pins are wrong (a skip here would hide it).
+  if ! ready; then
+    echo "test-engines: pip installed python/tests/engines-requirements.txt, but torch, vllm or sglang does not import from $V: fix the pins" >&2
+    exit 1
+  fi
 fi
 bash scripts/wheel.sh >/dev/null
 "$V/bin/pip" install -q --force-reinstall --no-deps "$(ls -t .whl/p2p_allreduce-*.whl | head -1)"
