@@ -1194,7 +1194,7 @@ proptest! {
 
 // ---------------------------------------------------------------------------
 // The fused RMSNorm's decomposition: the sum of squares as the kernels
-// spread it over a block (`kernels/norm.rs`: chunk k in thread k mod
+// spread it over a block (`kernels/norm/tree.rs`: chunk k in thread k mod
 // nthreads, `tree_sum` with warp shuffles and a quarter stage in warp 0),
 // modelled step by step from the device crate's pure pieces
 // (`norm_tree::{warp_adds, combine_quarters}`, the `Element` conversions),
@@ -1430,7 +1430,7 @@ fn tree_sum_model_every_length() {
 }
 
 /// [`model_tree_sum`] split over a cluster of `ctas` CTAs as the fused
-/// push_ll splits a row (`kernels/norm.rs`, `ClusterRow`): CTA c reduces
+/// push_ll splits a row (`kernels/norm/reg_rows.rs`, `ClusterRow`): CTA c reduces
 /// chunks `[c * range, (c + 1) * range)` (`range` from
 /// `abi::norm_split_range`, possibly none) with `nthreads` threads, then
 /// one warp adds the CTAs' partials (lane c holds CTA c's, +0.0 past the

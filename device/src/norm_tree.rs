@@ -1,7 +1,7 @@
 //! The pairwise tree that sums a row's chunk partials in the fused
 //! RMSNorm (docs/numerics.md), and the pieces of how the kernels spread it
 //! over a block: pure functions, used by the kernels
-//! (`kernels/norm.rs`: `warp_tree`, `tree_sum`) and by the host's CPU model
+//! (`kernels/norm/tree.rs`: `warp_tree`, `tree_sum`) and by the host's CPU model
 //! of that decomposition (`tests/cpu_properties.rs`).
 //!
 //! The tree: at stride s = 1, 2, 4, ..., partial k (a multiple of 2s) adds
