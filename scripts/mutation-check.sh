@@ -28,10 +28,10 @@ elif name == "seed":     # seed the accumulator with +0.0
     patch("device/src/reduce.rs",
           "    let mut acc = E::unpack(packs[0]);\n    let mut r = 1;\n    while r < N {",
           "    let mut acc = [0.0f32; 8];\n    let mut r = 0;\n    while r < N {")
-elif name == "barrier":  # drop the two-stage Mid barrier
-    patch("device/src/kernels.rs",
-          "        if !block_barrier::<N>(\n            &a.signals,\n            own_sig,\n            rank,\n            block,\n            BarrierKind::Mid,",
-          "        if false && !block_barrier::<N>(\n            &a.signals,\n            own_sig,\n            rank,\n            block,\n            BarrierKind::Mid,")
+elif name == "barrier":  # skip the two-stage Mid barrier (pull.rs)
+    patch("device/src/kernels/pull.rs",
+          "            barrier_site::<N, TWO_STAGE>(a, own_sig, rank, block, BarrierKind::Mid, epoch)\n        };",
+          "            true || barrier_site::<N, TWO_STAGE>(a, own_sig, rank, block, BarrierKind::Mid, epoch)\n        };")
 PY
 }
 
