@@ -406,21 +406,11 @@ def _worker(rank, world, gpus, port, args):
                 same_ranks(torch, dist, group, replayed, f"{b}, {t} tokens: the replayed step's hidden state")
             if b in ("ours", "ours-fused", "none"):
                 for name, a_, b_ in zip(("hidden", "residual"), eager, replayed):
-                    if not torch.equal(a_.view(torch.int16), b_.view(torch.int16)):
-                        bad = int((a_.view(torch.int16) != b_.view(torch.int16)).sum().item())
+                    bad = int((a_.view(torch.int16) != b_.view(torch.int16)).sum().item())
+                    if bad:
                         differs.append(f"{b}: {name} in {bad} of {a_.numel()} elements")
             finals[(t, b)] = replayed[0]
-            times = []
-            for _ in range(args.warmup):
-                graph.replay()
-            for _ in range(args.reps):
-                all_agree(torch, dist, group, True)  # ranks that share a GPU start together
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1) * 1000.0)
+            times = time_replays(torch, dist, group, graph, args)
             if ca is not None:
                 ca.check()
             row["step_us"] = round(statistics.median(times), 1)
@@ -446,6 +436,24 @@ def _worker(rank, world, gpus, port, args):
         ca.check()
         ca.close()
     dist.destroy_process_group()
+
+
+def time_replays(torch, dist, group, graph, args):
+    """`args.warmup` untimed replays, then `args.reps` replays each between
+    two CUDA events, every rank starting together (ranks that share a GPU
+    too): the times in us."""
+    for _ in range(args.warmup):
+        graph.replay()
+    times = []
+    for _ in range(args.reps):
+        all_agree(torch, dist, group, True)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1000.0)
+    return times
 
 
 def all_agree(torch, dist, group, flag):
@@ -694,17 +702,7 @@ def verify_pattern(torch, dist, group, rank, dev, shape, tokens, args, ca, symm,
             body()
             torch.cuda.synchronize(dev)
             graph = capture(torch, dev, body, ca if b.startswith("ours") else None)
-            for _ in range(args.warmup):
-                graph.replay()
-            times = []
-            for _ in range(args.reps):
-                all_agree(torch, dist, group, True)
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1) * 1000.0)
+            times = time_replays(torch, dist, group, graph, args)
             if ca is not None:
                 ca.check()
             row["step_us"] = round(statistics.median(times), 1)

@@ -116,6 +116,24 @@ pub(super) trait Rig {
     fn teardown(&mut self);
 }
 
+/// One CUDA graph of `calls` calls captured on `s` (after it is idle):
+/// `call(j)` for each j, stopping at the first error. The capture is
+/// ended in every case; a call's error is reported before the capture's.
+pub(super) fn capture_calls(
+    s: &Arc<CudaStream>,
+    calls: usize,
+    mut call: impl FnMut(usize) -> Result<()>,
+) -> Result<CudaGraph> {
+    s.synchronize().during("cuStreamSynchronize")?;
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .during("cuStreamBeginCapture")?;
+    let r = (0..calls).try_for_each(&mut call);
+    let g = s.end_capture(sys::CUgraphInstantiate_flags(0));
+    r?;
+    g.during("cuStreamEndCapture")?
+        .ok_or_else(|| p2p_allreduce::Error::Config("captured graph is empty".into()))
+}
+
 pub(super) fn soak(
     args: &SoakArgs,
     describe: &str,

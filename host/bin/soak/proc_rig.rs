@@ -81,20 +81,16 @@ impl Rig for ProcRig<'_> {
     fn build(&mut self, i: usize, cfg: &Cfg) -> Result<()> {
         assert_eq!(i, self.graphs.len(), "graphs are built in order");
         let s = self.stream.clone();
-        s.synchronize().during("cuStreamSynchronize")?;
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .during("cuStreamBeginCapture")?;
         let n = cfg.count();
         let (input, out) = (Self::ptr(&self.input), Self::ptr(&self.out));
         let (residual, gamma) = (Self::ptr(&self.residual), Self::ptr(&self.gamma));
-        let mut r = Ok(());
-        for j in 0..cfg.per_graph {
+        let g = capture_calls(&s, cfg.per_graph, |j| {
             let o = out + (j * n * 4) as u64;
             // SAFETY: the input lies in the registered buffer (the largest
             // count); `out` holds per_graph * n f32 for any configuration,
             // the residual and gamma the largest rows; all live as long as
             // the graphs (dropped first in `teardown`).
-            r = unsafe {
+            unsafe {
                 match cfg.kind {
                     Kind::Allreduce { algo, .. } => self.group().allreduce_registered_raw(
                         &s,
@@ -117,16 +113,8 @@ impl Rig for ProcRig<'_> {
                     }
                 }
             }
-            .map(|_| ());
-            if r.is_err() {
-                break;
-            }
-        }
-        let g = s.end_capture(sys::CUgraphInstantiate_flags(0));
-        r?;
-        let g = g
-            .during("cuStreamEndCapture")?
-            .ok_or_else(|| p2p_allreduce::Error::Config("captured graph is empty".into()))?;
+            .map(|_| ())
+        })?;
         self.graphs.push(g);
         Ok(())
     }

@@ -79,13 +79,9 @@ impl Rig for VirtualRig {
     fn build(&mut self, i: usize, cfg: &Cfg) -> Result<()> {
         assert_eq!(i, self.graphs.len(), "graphs are built in order");
         let s = self.stream.clone();
-        s.synchronize().during("cuStreamSynchronize")?;
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .during("cuStreamBeginCapture")?;
         let n = cfg.count();
-        let mut r = Ok(());
-        for j in 0..cfg.per_graph {
-            r = match cfg.kind {
+        let g = capture_calls(&s, cfg.per_graph, |j| {
+            match cfg.kind {
                 Kind::Allreduce { algo, .. } => {
                     let o: Vec<u64> = self
                         .outs
@@ -137,16 +133,8 @@ impl Rig for VirtualRig {
                         )
                         .map(|_| ())
                 }
-            };
-            if r.is_err() {
-                break;
             }
-        }
-        let g = s.end_capture(sys::CUgraphInstantiate_flags(0));
-        r?;
-        let g = g
-            .during("cuStreamEndCapture")?
-            .ok_or_else(|| p2p_allreduce::Error::Config("captured graph is empty".into()))?;
+        })?;
         self.graphs.push(g);
         Ok(())
     }
