@@ -71,6 +71,10 @@ PRESETS = {
 }
 BACKENDS = ["nccl", "ours", "ours-fused", "symm-mem", "none"]
 TOKENS = [1, 3, 8, 32, 128]
+#: --attention: torch's SDPA backends by name (torch.nn.attention.SDPBackend).
+ATTENTION = {"auto": None, "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH",
+             "cudnn": "CUDNN_ATTENTION"}
+DEFAULT_ATTENTION = "auto"
 #: symm-mem runs one-shot up to this many bytes, two-shot above.
 SYMM_ONE_SHOT_MAX = 512 << 10
 EPS = 1e-6
@@ -351,7 +355,7 @@ def _worker(rank, world, gpus, port, args):
     model = Model(torch, shape, seqs, args.kv_len, dev, seed=args.seed, rank=rank)
     log(f"bench_tp: {args.model or 'custom'}: {shape.describe()}"
         + (f"; changed from the preset: {', '.join(changed)}" if changed else "")
-        + f"; KV length {args.kv_len}; {need / 2**30:.1f} GiB per rank; GPUs {gpus}; torch {torch.__version__}")
+        + f"; KV length {args.kv_len}; attention {args.attention}; {need / 2**30:.1f} GiB per rank; GPUs {gpus}; torch {torch.__version__}")
     if args.model and shape.layers != PRESETS[args.model]["layers"]:
         log(f"bench_tp: NOTE: {shape.layers} of the model's {PRESETS[args.model]['layers']} layers run; "
             f"every figure below is for {shape.layers} layers ({2 * shape.layers} allreduces per step), not scaled up")
@@ -376,7 +380,8 @@ def _worker(rank, world, gpus, port, args):
                 row["skipped"] = skip[b]
                 rows.append(row)
                 continue
-            step = model.step_fn(b, t, ca=ca, group=group, symm=symm, dist=dist, F=F)
+            step = model.step_fn(b, t, ca=ca, group=group, symm=symm, dist=dist, F=F,
+                                 attention_backend=args.attention)
             state = model.state(t)
             # Eager first (warms up every kernel, and is the reference for
             # the replayed bits of our backends), on the stream the graph is
@@ -589,9 +594,20 @@ class Model:
             self.states[t] = State(self.torch, t, self.s.hidden, self.dev)
         return self.states[t]
 
-    def step_fn(self, backend, t, ca, group, symm, dist, F):
-        """The step as a closure over static buffers (what a graph captures)."""
+    def step_fn(self, backend, t, ca, group, symm, dist, F, attention_backend="auto"):
+        """The step as a closure over static buffers (what a graph captures);
+        attention on `attention_backend` (a key of ATTENTION)."""
+        import contextlib
+
         torch, s = self.torch, self.s
+        pinned = ATTENTION[attention_backend]
+        if pinned is None:
+            attention = contextlib.nullcontext
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def attention():
+                return sdpa_kernel([getattr(SDPBackend, pinned)])
         st = self.state(t)
         d, h = s.head_dim, s.hidden
         nbytes = t * h * 2
@@ -640,8 +656,9 @@ class Model:
                 # same position every replay, so replays are idempotent).
                 kv[0, :t, :, self.kv_len - 1, :].copy_(k.view(t, s.kv_local, d))
                 kv[1, :t, :, self.kv_len - 1, :].copy_(v.view(t, s.kv_local, d))
-                a = F.scaled_dot_product_attention(
-                    q.view(t, s.q_heads, 1, d), kv[0, :t], kv[1, :t], enable_gqa=s.q_heads != s.kv_local)
+                with attention():
+                    a = F.scaled_dot_product_attention(
+                        q.view(t, s.q_heads, 1, d), kv[0, :t], kv[1, :t], enable_gqa=s.q_heads != s.kv_local)
                 torch.mm(a.reshape(t, s.q_heads * d), layer["o"].t(), out=part)
                 reduce_add_norm(layer["post_norm"])
                 gate, up = F.linear(st.hidden, layer["gate_up"]).chunk(2, dim=-1)
@@ -722,11 +739,11 @@ def finish(rank, rows, shape, changed, args, gpus, torch, log):
     gains(rows)
     title = (f"{args.model or 'custom'} TP {len(gpus)} on GPUs {args.gpus}"
              + (f", {shape.layers} layers" if args.model and shape.layers != PRESETS[args.model]["layers"] else ""))
-    print(f"\n{title}: {args.pattern}, median of {args.reps} graph replays, bf16, KV length {args.kv_len}")
+    print(f"\n{title}: {args.pattern}, median of {args.reps} graph replays, bf16, KV length {args.kv_len}, attention {args.attention}")
     print(table(rows, args.pattern), flush=True)
     meta = {
         "model": args.model, "shape": vars(shape), "changed_from_preset": changed, "pattern": args.pattern,
-        "gpus": gpus, "kv_len": args.kv_len, "reps": args.reps, "torch": torch.__version__,
+        "gpus": gpus, "kv_len": args.kv_len, "attention": args.attention, "reps": args.reps, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "rows": rows,
         "shared_gpu": len(set(gpus)) < len(gpus),
     }
@@ -747,6 +764,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                    help="tokens per step (rows of each allreduce), comma-separated")
     p.add_argument("--kv-len", type=int, default=1024, help="KV-cache positions each token attends to")
+    p.add_argument("--attention", choices=sorted(ATTENTION), default=DEFAULT_ATTENTION,
+                   help="torch's scaled_dot_product_attention backend (auto: torch picks per call)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, of " + ", ".join(BACKENDS))
     p.add_argument("--pattern", choices=["step", "verify"], default="step",
                    help="step: the decode step; verify: only its allreduces (default tokens 3)")
