@@ -26,7 +26,8 @@ CUDA events. Backends, in the same processes, same graph structure:
     symm-mem    torch symmetric memory (one-shot up to 512 KiB, two-shot above)
     none        the same step with the allreduces left out: the compute floor
 
-Checks (a failure ends the run with exit status 1): after a replayed step
+Checks (every one runs; after the table, which marks the rows that failed
+and lists each failure, any failure makes the run exit 1): after a replayed step
 every rank holds the same hidden state and residual bit for bit, for every
 backend with allreduces (`none`'s ranks hold their own partial sums);
 `ours` and `ours-fused` give the same bits eager and replayed, with `none`
@@ -202,7 +203,7 @@ def table(rows, pattern):
                        f"{cell(r, 'gain_over_nccl', '{:.2f}x')} |")
         return "\n".join(out)
     out = ["| tokens | backend | step us | tokens/s | allreduce us (step - none) | allreduce share | gain over NCCL | "
-           "ulps from ours (max) |", "|---|---|---|---|---|---|---|---|"]
+           "ulps from ours (max) | checks |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         us = r.get("step_us")
         step = f"{us:.1f}" if isinstance(us, float) else str(r.get("skipped", "-"))
@@ -210,7 +211,7 @@ def table(rows, pattern):
         out.append(
             f"| {r['tokens']} | {r['backend']} | {step} | {cell(r, 'tokens_per_s', '{:.1f}')} | "
             f"{cell(r, 'allreduce_us', '{:.1f}')} | {f'{100 * share:.1f}%' if isinstance(share, float) else '-'} | "
-            f"{cell(r, 'gain_over_nccl', '{:.2f}x')} | {cell(r, 'max_ulps_vs_ours', '{}')} |")
+            f"{cell(r, 'gain_over_nccl', '{:.2f}x')} | {cell(r, 'max_ulps_vs_ours', '{}')} | {r.get('checks', '-')} |")
     return "\n".join(out)
 
 
@@ -365,6 +366,18 @@ def _worker(rank, world, gpus, port, args):
 
     rows = []
     finals = {}
+    # Checks that fail are collected and the run goes on, so that one run
+    # reports every token count and backend; it then fails (exit status 1).
+    failures = []
+
+    def checked(row, fn, *a):
+        try:
+            fn(*a)
+        except Failed as e:
+            failures.append(str(e))
+            if row is not None:
+                row["checks"] = "FAILED"
+
     # One stream for every eager step and capture (see the eager step).
     run_stream = torch.cuda.Stream(dev)
     for t in tokens:
@@ -372,7 +385,7 @@ def _worker(rank, world, gpus, port, args):
         g = torch.Generator(device=dev).manual_seed(args.seed + 1000 + t)
         res0 = torch.randn(t, shape.hidden, generator=g, device=dev).to(torch.bfloat16)
         if ca is not None and "ours-fused" in args.backends:
-            fused_op_check(torch, dist, group, ca, shape, t, dev, rank, args)
+            checked(None, fused_op_check, torch, dist, group, ca, shape, t, dev, rank, args)
         differs = []
         for b in args.backends:
             row = {"tokens": t, "backend": b, "bytes": shape.allreduce_bytes(t), "allreduces": 2 * shape.layers}
@@ -407,13 +420,16 @@ def _worker(rank, world, gpus, port, args):
                 replayed[0].view(torch.int16).view(-1)[0] ^= 1
             # Bits that must agree: across ranks (not for `none`, whose
             # ranks never sum their partials), and eager against replayed.
+            row["checks"] = "passed"
             if b != "none":
-                same_ranks(torch, dist, group, replayed, f"{b}, {t} tokens: the replayed step's hidden state")
+                checked(row, same_ranks, torch, dist, group, replayed,
+                        f"{b}, {t} tokens: the replayed step's hidden state")
             if b in ("ours", "ours-fused", "none"):
                 for name, a_, b_ in zip(("hidden", "residual"), eager, replayed):
                     bad = int((a_.view(torch.int16) != b_.view(torch.int16)).sum().item())
                     if bad:
                         differs.append(f"{b}: {name} in {bad} of {a_.numel()} elements")
+                        row["checks"] = "FAILED"
             finals[(t, b)] = replayed[0]
             times = time_replays(torch, dist, group, graph, args)
             if ca is not None:
@@ -428,7 +444,7 @@ def _worker(rank, world, gpus, port, args):
             why = (" (`none`, the control without allreduces, differs too: torch's compute is not "
                    "bit-reproducible between eager and graph replay here, so this check cannot judge ours)"
                    if control else "")
-            raise Failed(f"{t} tokens: eager and replayed steps differ: {'; '.join(differs)}{why}")
+            failures.append(f"rank {rank}, {t} tokens: eager and replayed steps differ: {'; '.join(differs)}{why}")
         # Not required to agree: the distance from `ours`, in ulps.
         ref = finals.get((t, "ours"))
         for row in rows:
@@ -436,11 +452,27 @@ def _worker(rank, world, gpus, port, args):
                 d = ulps_bf16(finals[(t, row["backend"])].view(torch.int16), ref.view(torch.int16))
                 row["max_ulps_vs_ours"] = int(d.max().item())
                 row["mean_ulps_vs_ours"] = round(d.float().mean().item(), 3)
-    finish(rank, rows, shape, changed, args, gpus, torch, log)
+    # Every rank's failures (eager against replayed is judged per rank),
+    # reported by rank 0 beside the table; any fails the run on every rank.
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (failures, [(r["tokens"], r["backend"], r.get("checks")) for r in rows]),
+                           group=group)
+    failed_rows = {(t, b) for _, marks in everyone for t, b, c in marks if c == "FAILED"}
+    for r in rows:
+        if (r["tokens"], r["backend"]) in failed_rows:
+            r["checks"] = "FAILED"
+    everyone = [fs for fs, _ in everyone]
+    seen = []
+    for f in (f for fs in everyone for f in fs):
+        if f not in seen:
+            seen.append(f)
+    finish(rank, rows, shape, changed, args, gpus, torch, log, seen)
     if ca is not None:
         ca.check()
         ca.close()
     dist.destroy_process_group()
+    if seen:
+        raise Failed(f"{len(seen)} check(s) failed (listed above)")
 
 
 def time_replays(torch, dist, group, graph, args):
@@ -733,7 +765,9 @@ def verify_pattern(torch, dist, group, rank, dev, shape, tokens, args, ca, symm,
     return rows
 
 
-def finish(rank, rows, shape, changed, args, gpus, torch, log):
+def finish(rank, rows, shape, changed, args, gpus, torch, log, failures=()):
+    """Rank 0 prints the table (and the failed checks, if any) and writes
+    the JSON and SVG."""
     if rank != 0:
         return
     gains(rows)
@@ -741,11 +775,19 @@ def finish(rank, rows, shape, changed, args, gpus, torch, log):
              + (f", {shape.layers} layers" if args.model and shape.layers != PRESETS[args.model]["layers"] else ""))
     print(f"\n{title}: {args.pattern}, median of {args.reps} graph replays, bf16, KV length {args.kv_len}, attention {args.attention}")
     print(table(rows, args.pattern), flush=True)
+    if args.pattern == "step":
+        if failures:
+            print(f"\nCHECKS FAILED ({len(failures)}):", flush=True)
+            for f in failures:
+                print(f"  - {f}", flush=True)
+        else:
+            print("\nchecks: every check passed (ranks agree bit for bit; eager = replayed for ours, ours-fused "
+                  "and none; fused residual = allreduce + add)", flush=True)
     meta = {
         "model": args.model, "shape": vars(shape), "changed_from_preset": changed, "pattern": args.pattern,
         "gpus": gpus, "kv_len": args.kv_len, "attention": args.attention, "reps": args.reps, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "rows": rows,
-        "shared_gpu": len(set(gpus)) < len(gpus),
+        "shared_gpu": len(set(gpus)) < len(gpus), "failed_checks": list(failures),
     }
     if args.json:
         with open(args.json, "w") as f:

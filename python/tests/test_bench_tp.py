@@ -93,7 +93,7 @@ class ArgTests(unittest.TestCase):
 class ReportTests(unittest.TestCase):
     ROWS = [
         {"tokens": 3, "backend": "nccl", "step_us": 30000.0},
-        {"tokens": 3, "backend": "ours", "step_us": 12000.0},
+        {"tokens": 3, "backend": "ours", "step_us": 12000.0, "checks": "FAILED"},
         {"tokens": 3, "backend": "none", "step_us": 10000.0},
         {"tokens": 3, "backend": "symm-mem", "skipped": "why"},
         {"tokens": 8, "backend": "ours", "step_us": 13000.0},
@@ -119,6 +119,7 @@ class ReportTests(unittest.TestCase):
         self.assertEqual(len(t.splitlines()), 2 + len(rows))
         self.assertIn("| 3 | symm-mem | why |", t)
         self.assertIn("2.50x", t)
+        self.assertIn("| 2.50x | - | FAILED |", t)  # a failed check shows in its row
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "p.svg")
             bench_tp.svg_plot(rows, "a <title>", path)

@@ -180,6 +180,8 @@ class BenchTpTests(unittest.TestCase):
             for b in ("nccl", "symm-mem"):
                 self.assertIn("share a GPU", got[(t, b)]["skipped"])
             self.assertEqual(got[(t, "ours")]["max_ulps_vs_ours"], 0)
+            for b in ("ours", "ours-fused", "none"):
+                self.assertEqual(got[(t, b)]["checks"], "passed")
             self.assertIsInstance(got[(t, "ours-fused")]["max_ulps_vs_ours"], int)
 
     def test_verify_two_processes_on_gpu0(self):
@@ -189,9 +191,17 @@ class BenchTpTests(unittest.TestCase):
         self.assertEqual(got[(3, "ours")]["allreduces"], 4)
 
     def test_a_flipped_bit_fails_the_run(self):
-        p, _ = self.run_bench("0,0", "--inject-fault", "--backends", "ours,none", "--tokens", "3")
+        p, rows = self.run_bench("0,0", "--inject-fault", "--backends", "ours,none", "--tokens", "3")
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("CHECK FAILED", p.stderr)
+        # The run still reports: the table, with the failed row marked, and the failure named.
+        # Two checks see the bit: rank 1 against rank 0, and rank 1's eager against its replay.
+        self.assertIn("CHECKS FAILED (2)", p.stdout)
+        self.assertIn("rank 1's tensor 0 differs from rank 0's in 1 of", p.stdout)
+        self.assertIn("rank 1, 3 tokens: eager and replayed steps differ: ours: hidden in 1 of", p.stdout)
+        got = {(r["tokens"], r["backend"]): r for r in rows}
+        self.assertEqual(got[(3, "ours")]["checks"], "FAILED")
+        self.assertEqual(got[(3, "none")]["checks"], "passed")
 
     @unittest.skipIf(GPUS < 2, f"needs 2 GPUs, torch sees {GPUS}")
     def test_step_two_gpus_every_backend(self):
