@@ -182,6 +182,8 @@ class BenchTpTests(unittest.TestCase):
             self.assertEqual(got[(t, "ours")]["max_ulps_vs_ours"], 0)
             for b in ("ours", "ours-fused", "none"):
                 self.assertEqual(got[(t, b)]["checks"], "passed")
+            for b in ("ours", "ours-fused"):
+                self.assertEqual(got[(t, b)]["calls_checked"], 4)  # 2 layers, 2 calls each
             self.assertIsInstance(got[(t, "ours-fused")]["max_ulps_vs_ours"], int)
 
     def test_verify_two_processes_on_gpu0(self):
@@ -195,10 +197,12 @@ class BenchTpTests(unittest.TestCase):
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("CHECK FAILED", p.stderr)
         # The run still reports: the table, with the failed row marked, and the failure named.
-        # Two checks see the bit: rank 1 against rank 0, and rank 1's eager against its replay.
+        # Two checks see a flipped bit: rank 1's step against rank 0's, and
+        # rank 1's first call of ours made again eagerly on its recorded inputs.
         self.assertIn("CHECKS FAILED (2)", p.stdout)
         self.assertIn("rank 1's tensor 0 differs from rank 0's in 1 of", p.stdout)
-        self.assertIn("rank 1, 3 tokens: eager and replayed steps differ: ours: hidden in 1 of", p.stdout)
+        self.assertIn("rank 1, ours, 3 tokens: 1 of the step's 4 calls of ours gave other bits eager than replayed, "
+                      "on the same inputs (call 0: 1 elements)", p.stdout)
         got = {(r["tokens"], r["backend"]): r for r in rows}
         self.assertEqual(got[(3, "ours")]["checks"], "FAILED")
         self.assertEqual(got[(3, "none")]["checks"], "passed")
