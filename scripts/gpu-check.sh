@@ -12,8 +12,28 @@
 #
 # With the device tool: build here, then run `bash scripts/gpu-check.sh run`
 # there with carry [".carry"].
+#
+# GPU_CHECK_MPS=1 (run's Python steps, and soak): where two ranks share GPU
+# 0, start an MPS control daemon first (its logs in $OUT/mps-log) and stop
+# it at the end, so that the two processes' kernels run at once instead of
+# time-slicing (docs/benchmarks.md: the decode step and the two-process soak
+# were measured that way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+start_mps() {
+  [ "${GPU_CHECK_MPS:-0}" = 1 ] || return 0
+  command -v nvidia-cuda-mps-control >/dev/null \
+    || { echo "gpu-check: GPU_CHECK_MPS=1 but no nvidia-cuda-mps-control on PATH" >&2; exit 2; }
+  # The pipes under /tmp (a short path: they are Unix sockets), the logs in $OUT.
+  CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/p2p-mps.XXXXXX)
+  CUDA_MPS_LOG_DIRECTORY="$(cd "$OUT" && pwd)/mps-log"
+  export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "gpu-check: the MPS control daemon did not start" >&2; exit 2; }
+  trap 'echo quit | nvidia-cuda-mps-control || true' EXIT
+  echo "== MPS control daemon started (pipes in $CUDA_MPS_PIPE_DIRECTORY)"
+}
 
 case "${1:-}" in
 build)
@@ -78,7 +98,9 @@ run)
     step bench-tp-verify 300 python3 python/bench/bench_tp.py --gpus $g --model deepseek-v3-dense \
       --pattern verify --reps 20 --json "$OUT/bench-tp-verify.json"
   }
-  if [ "${GPU_CHECK_ONLY:-}" = python ]; then python_steps; exit $status; fi
+  # MPS (GPU_CHECK_MPS=1) for the Python steps only: the suite and the
+  # sanitizers run as they always have, each process alone on the GPU.
+  if [ "${GPU_CHECK_ONLY:-}" = python ]; then start_mps; python_steps; exit $status; fi
   step gpu-suite "${GPU_SUITE_TIMEOUT:-400}" "$B/test-gpu"
   if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then exit $status; fi
   step cli-check 150 "$B/p2p-allreduce" check --quick
@@ -122,7 +144,7 @@ run)
   else
     echo "== two-GPU steps: not run ($ngpu GPU)"
   fi
-  [ "${GPU_CHECK_PYTHON:-1}" = 1 ] && python_steps
+  if [ "${GPU_CHECK_PYTHON:-1}" = 1 ]; then start_mps; python_steps; fi
   if [ "${GPU_CHECK_VIRTUAL_BENCH:-0}" = 1 ]; then
     step bench-virtual 180 "$B/bench-allreduce"
   fi
@@ -133,6 +155,7 @@ soak)
   # default budget (SOAK_BUDGET seconds of timed replays, default 200).
   OUT=${OUT:-gpu-logs}
   mkdir -p "$OUT"
+  start_mps
   B=.carry/bin
   [ -x "$B/p2p-allreduce" ] || { echo "gpu-check: $B/p2p-allreduce missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
   status=0
