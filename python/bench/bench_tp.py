@@ -416,9 +416,11 @@ def _worker(rank, world, gpus, port, args):
             replayed = state.snapshot()
             if ca is not None:
                 ca.check()
-            if args.inject_fault and rank == world - 1 and b == args.backends[0]:
-                # Tests of this harness: one flipped bit on the last rank
-                # must fail the run below.
+            # Tests of this harness: one flipped bit on the last rank (in the
+            # replayed step, and in its first recorded call below) must fail
+            # the run.
+            inject = args.inject_fault and rank == world - 1 and b == args.backends[0]
+            if inject:
                 replayed[0].view(torch.int16).view(-1)[0] ^= 1
             # Bits that must agree: across ranks (not for `none`, whose
             # ranks never sum their partials), and each call of ours eager
@@ -436,7 +438,7 @@ def _worker(rank, world, gpus, port, args):
                 rgraph.replay()
                 torch.cuda.synchronize(dev)
                 del rgraph
-                if args.inject_fault and rank == world - 1 and b == args.backends[0]:
+                if inject:
                     rec.out[0].view(torch.int16).view(-1)[0] ^= 1
                 bad = rec.mismatches(ca)
                 row["calls_checked"] = rec.next
@@ -484,11 +486,8 @@ def _worker(rank, world, gpus, port, args):
     for r in rows:
         if (r["tokens"], r["backend"]) in failed_rows:
             r["checks"] = "FAILED"
-    everyone = [fs for fs, _ in everyone]
-    seen = []
-    for f in (f for fs in everyone for f in fs):
-        if f not in seen:
-            seen.append(f)
+    # Cross-rank checks fail alike on every rank: each failure once, in order.
+    seen = list(dict.fromkeys(f for fs, _ in everyone for f in fs))
     finish(rank, rows, shape, changed, args, gpus, torch, log, seen)
     if ca is not None:
         ca.check()
@@ -898,8 +897,8 @@ def parse_args(argv=None):
     p.add_argument("--pattern", choices=["step", "verify"], default="step",
                    help="step: the decode step; verify: only its allreduces (default tokens 3)")
     p.add_argument("--deterministic", action="store_true",
-                   help="torch.use_deterministic_algorithms(True) in every rank (torch's kernels give the same bits "
-                        "run to run; the eager-vs-replayed checks need that when ranks share a GPU)")
+                   help="torch.use_deterministic_algorithms(True) in every rank (for trying whether torch's own "
+                        "kernels then give the same bits eager and replayed; the checks do not need it)")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed replays first")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds our kernels wait for a peer")
