@@ -31,7 +31,7 @@ start_mps() {
   export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "gpu-check: the MPS control daemon did not start" >&2; exit 2; }
-  trap 'echo quit | nvidia-cuda-mps-control || true' EXIT
+  trap 'echo quit | nvidia-cuda-mps-control || true; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"' EXIT
   echo "== MPS control daemon started (pipes in $CUDA_MPS_PIPE_DIRECTORY)"
 }
 
@@ -155,9 +155,9 @@ soak)
   # default budget (SOAK_BUDGET seconds of timed replays, default 200).
   OUT=${OUT:-gpu-logs}
   mkdir -p "$OUT"
-  start_mps
   B=.carry/bin
   [ -x "$B/p2p-allreduce" ] || { echo "gpu-check: $B/p2p-allreduce missing: run 'scripts/gpu-check.sh build' first and carry .carry" >&2; exit 2; }
+  start_mps
   status=0
   budget=${SOAK_BUDGET:-200}
   which=${2:-both}

@@ -453,7 +453,7 @@ def _worker(rank, world, gpus, port, args):
             if b in ("ours", "ours-fused", "none"):
                 n_diff = 0
                 for name, a_, b_ in zip(("hidden", "residual"), eager, replayed):
-                    bad = int((a_.view(torch.int16) != b_.view(torch.int16)).sum().item())
+                    bad = differing_bits(torch, a_, b_)
                     n_diff += bad
                     if bad:
                         differs.append(f"{b}: {name} in {bad} of {a_.numel()} elements")
@@ -523,6 +523,11 @@ def all_agree(torch, dist, group, flag):
     return bool(t.item())
 
 
+def differing_bits(torch, a, b):
+    """Elements of two bf16 tensors of one shape whose bits differ."""
+    return int((a.view(torch.int16) != b.view(torch.int16)).sum().item())
+
+
 def same_ranks(torch, dist, group, tensors, what):
     """Raises Failed unless every rank holds these tensors bit for bit."""
     world = dist.get_world_size(group)
@@ -582,8 +587,8 @@ def fused_op_check(torch, dist, group, ca, shape, t, dev, rank, args):
             capture(torch, dev, body, ca).replay()
         torch.cuda.synchronize(dev)
         ca.check()
-        if not torch.equal(r_unfused.view(torch.int16), r_fused.view(torch.int16)):
-            bad = int((r_unfused.view(torch.int16) != r_fused.view(torch.int16)).sum().item())
+        bad = differing_bits(torch, r_unfused, r_fused)
+        if bad:
             raise Failed(f"{t} tokens ({mode}): the fused residual differs from allreduce + torch add in {bad} elements")
         same_ranks(torch, dist, group, [r_fused, normed], f"{t} tokens ({mode}): the fused call's outputs")
 
@@ -741,11 +746,11 @@ class Record:
 
     def __init__(self, torch, calls, t, hidden, dev, fused):
         self.torch, self.fused, self.next = torch, fused, 0
-        shape = (calls, t, hidden)
-        self.inp = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev)
-        self.out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev)
-        self.res_in = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev) if fused else None
-        self.res_out = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev) if fused else None
+        def poisoned():
+            return torch.full((calls, t, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+
+        self.inp, self.out = poisoned(), poisoned()
+        self.res_in, self.res_out = (poisoned(), poisoned()) if fused else (None, None)
         self.weights = [None] * calls
 
     def before(self, part, residual=None, weight=None):
@@ -777,7 +782,7 @@ class Record:
                 o = torch.full_like(self.inp[i], float("nan"))
                 ca.allreduce(self.inp[i], out=o)
                 got, want = (o,), (self.out[i],)
-            n = sum(int((g.view(torch.int16) != w.view(torch.int16)).sum().item()) for g, w in zip(got, want))
+            n = sum(differing_bits(torch, g, w) for g, w in zip(got, want))
             if n:
                 bad.append((i, n))
         torch.cuda.synchronize()
