@@ -20,6 +20,7 @@ use crate::abi::{
     error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, BUFFER_ALIGN, MAX_RANKS,
 };
 use crate::checks::{check_aligned, check_count};
+use crate::device::barrier::next_epoch;
 use crate::driver::{self, DeviceAlloc, HostMailbox, Kernels, PlainData as _};
 use crate::element::DeviceElement;
 use crate::error::{Context as _, Error, Result};
@@ -613,11 +614,58 @@ impl Collective {
         self.health.clear();
         Ok(())
     }
+
+    /// Moves every block's epoch of every own rank `collectives` epochs on,
+    /// as that many collectives that wrote no flag or landing zone would:
+    /// for tests of long runs (a flag or line left untouched meanwhile
+    /// must not pass for a fresh one). Waits for the device first.
+    pub(crate) fn advance_epochs(&self, collectives: u32) -> Result<()> {
+        for m in &self.members {
+            m.context().synchronize().during("cuCtxSynchronize")?;
+        }
+        for (_, b) in &self.own {
+            let mut sig = [Signal::zeroed()];
+            b.signal.read(&mut sig)?;
+            for e in sig[0].epoch.iter_mut() {
+                *e = epoch_after(*e, collectives);
+            }
+            b.signal.write(&sig)?;
+        }
+        Ok(())
+    }
+}
+
+/// The epoch `collectives` collectives after `e`, as the kernels count
+/// ([`next_epoch`]: 0 is never used, `u32::MAX` is followed by 2).
+fn epoch_after(mut e: u32, mut collectives: u32) -> u32 {
+    while collectives > 0 && e < 2 {
+        e = next_epoch(e);
+        collectives -= 1;
+    }
+    if collectives == 0 {
+        return e;
+    }
+    // From 2 on, epochs cycle through 2..=u32::MAX.
+    const PERIOD: u64 = (1 << 32) - 2;
+    ((u64::from(e) - 2 + u64::from(collectives)) % PERIOD + 2) as u32
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn epoch_after_counts_as_the_kernels_do() {
+        for start in [0u32, 1, 2, 3, 1000, u32::MAX - 5, u32::MAX] {
+            let mut e = start;
+            for k in 0..20u32 {
+                assert_eq!(epoch_after(start, k), e, "{start} + {k}");
+                e = next_epoch(e);
+            }
+        }
+        assert_eq!(epoch_after(2, u32::MAX - 1), 2, "a whole period");
+        assert_eq!(epoch_after(2, u32::MAX), 3, "a whole period and one");
+    }
     use crate::ptx::{Entry, Op};
 
     fn step(algorithm: Algorithm, offset: usize, len: usize) -> Step {

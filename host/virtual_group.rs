@@ -410,6 +410,15 @@ impl VirtualGroup {
         self.core.reset()
     }
 
+    /// For tests of long runs: moves every block's epoch of every rank
+    /// `collectives` epochs on, as that many collectives that wrote no
+    /// flag or landing zone would (a long stretch of push_ll calls or of
+    /// launches of fewer blocks). Waits for the device.
+    #[doc(hidden)]
+    pub fn advance_epochs(&self, collectives: u32) -> Result<()> {
+        self.core.advance_epochs(collectives)
+    }
+
     /// Fault injection for your own tests: one collective in which the
     /// ranks in `absent_ranks` (a bit mask; rank r is bit r) leave at once,
     /// as dead peers would; the others wait for them until the timeout and

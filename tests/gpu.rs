@@ -39,6 +39,10 @@ fn main() {
         ("graph_replay_1000", graph_replay),
         ("chunked_large_message", chunked),
         ("peer_timeout_is_reported", timeout),
+        (
+            "stale_flags_are_no_arrival_2_31_collectives_on",
+            stale_flags,
+        ),
         ("user_errors_are_typed", user_errors),
         ("api_safety_misuse_is_refused_or_ordered", api_safety),
         ("peer_group_real_rank_entries_every_gpu", peer_group),
@@ -793,6 +797,59 @@ fn timeout(g: &Gpu) {
             seed: 1,
         },
     );
+}
+
+/// A flag written once and then left untouched while 2^31 + 10 other
+/// collectives pass (push_ll calls, or launches of fewer blocks) must not
+/// pass for an arrival: the waits compared epochs in order, and a flag that
+/// old read as one from the future, so a dead peer went unnoticed and its
+/// data unread. Every algorithm and the fused one-stage, virtual ranks.
+fn stale_flags(g: &Gpu) {
+    let world = 3;
+    let grp = VirtualGroup::new(
+        &g.ctx,
+        world,
+        Config {
+            timeout: Duration::from_millis(50),
+            ..Config::default()
+        },
+    )
+    .expect("group");
+    let stale = (1u32 << 31) + 10;
+    for algo in Algorithm::ALL {
+        // Writes the flags of the blocks this size runs.
+        let spec = |seed| Spec {
+            dtype: Dtype::F32,
+            world,
+            len: 5000,
+            algo,
+            registered: false,
+            graph: false,
+            seed,
+        };
+        run_case(g, &grp, spec(91));
+        grp.advance_epochs(stale).expect("advance epochs");
+        grp.launch_with_absent_ranks(&g.stream, 0b010, Dtype::F32, algo, 5000)
+            .expect("launch");
+        match grp.check(&g.stream) {
+            Err(Error::PeerTimeout { peer: 1, .. }) => {}
+            other => panic!("{algo:?}: flags {stale} collectives old; expected PeerTimeout naming 1, got {other:?}"),
+        }
+        grp.reset().expect("reset");
+        run_case(g, &grp, spec(92));
+    }
+    grp.add_rmsnorm_with_absent_ranks(&g.stream, 0, Dtype::F32, AlgoChoice::OneStage, 2, 4096)
+        .expect("fused, nobody absent");
+    grp.check(&g.stream).expect("fused, nobody absent");
+    grp.advance_epochs(stale).expect("advance epochs");
+    grp.add_rmsnorm_with_absent_ranks(&g.stream, 0b010, Dtype::F32, AlgoChoice::OneStage, 2, 4096)
+        .expect("fused launch");
+    match grp.check(&g.stream) {
+        Err(Error::PeerTimeout { peer: 1, .. }) => {}
+        other => panic!("fused one-stage: flags {stale} collectives old; expected PeerTimeout naming 1, got {other:?}"),
+    }
+    grp.reset().expect("reset");
+    println!("  flags {stale} collectives old are no arrival: every algorithm and the fused one-stage report the absent peer");
 }
 
 fn user_errors(g: &Gpu) {

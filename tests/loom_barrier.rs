@@ -1,6 +1,6 @@
 //! A loom model of the kernels' barrier protocol, run with the very code the
 //! kernels use (`device::barrier::{arrive_ordered, wait_ordered, next_epoch}`,
-//! whose waits accept any epoch at or past the awaited one
+//! whose waits accept the awaited epoch or the next one
 //! (`device::barrier::reached`), and the `FlagWord` / `Clock` traits), on
 //! loom atomics instead of GPU memory.
 //!
@@ -345,8 +345,8 @@ struct Protocol {
 /// The arrival test of a wait.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum WaitRule {
-    /// The kernels' [`wait_ordered`] as it is: any epoch at or past the
-    /// awaited one (`device::barrier::reached`).
+    /// The kernels' [`wait_ordered`] as it is: the awaited epoch or the
+    /// next one (`device::barrier::reached`).
     Reached,
     /// A must-fail variant: only the awaited epoch itself counts. Still
     /// the kernels' [`wait_ordered`], on a flag seen through [`Exactly`].

@@ -19,9 +19,9 @@
 //! relaxed barriers rely on are in docs/design.md; tests/loom_barrier.rs
 //! models them.
 //!
-//! Waits accept any epoch at or past the awaited one ([`reached`]). For the
-//! pull algorithms that is equality: a peer writes the next epoch into a
-//! slot of set K only after passing the next `Start` barrier (or, for
+//! Waits accept the awaited epoch or the next one ([`reached`]). For the
+//! pull algorithms only the awaited one comes: a peer writes the next
+//! epoch into a slot of set K only after passing the next `Start` barrier (or, for
 //! `Start` itself, after finishing this collective's last barrier), and both
 //! need this rank's arrival there, which comes after this rank's wait on the
 //! slot, so a slot never moves past the value being waited for. Push has
@@ -85,8 +85,8 @@ pub const fn order(algo: Algorithm, kind: BarrierKind) -> Order {
 ///   `e + 2`, which it starts only after its `e + 1` wait saw every peer's
 ///   `e + 1` arrival, made in kernels that began after the peers' kernels
 ///   for `e` (every read of slot `e % 2`) had completed. A peer can
-///   therefore be one collective ahead, so waits accept any epoch at or
-///   past the awaited one ([`reached`]). Every collective advances every
+///   therefore be one collective ahead, so waits accept the awaited epoch
+///   or the next one ([`reached`]). Every collective advances every
 ///   block's epoch counter (also those its grid does not run), so all
 ///   blocks of a collective agree on the parity. The slots' layout is fixed for the
 ///   group (`LaunchArgs::landing_part` bytes per source), whatever the
@@ -308,15 +308,25 @@ pub trait Clock {
 pub const POLLS_PER_CLOCK_READ: u32 = 32;
 const _: () = assert!(POLLS_PER_CLOCK_READ.is_power_of_two());
 
-/// Whether a flag holding `value` shows an arrival at `epoch` or later.
-/// Epochs advance by one per collective and skip zero, and a peer is never
-/// more than one collective ahead (see [`barriers`]), so the wrapping
-/// difference decides; zero (never written) has not reached anything. For
-/// the pull algorithms a slot never moves past the awaited epoch, so this
-/// is plain equality there.
+/// Whether a flag holding `value` shows an arrival at `epoch`: the awaited
+/// epoch itself, or the one after it. A peer is never more than one
+/// collective ahead (see [`barriers`]), so nothing else is an arrival; zero
+/// (never written) has not reached anything. For the pull algorithms a
+/// slot never moves past the awaited epoch, so only the first holds there.
+///
+/// Equality, not an ordered (wrapping) comparison: a flag is written only
+/// by the collectives whose algorithm runs that barrier in that block, but
+/// every collective advances every block's epoch, so a flag can sit
+/// untouched while any number of other collectives (push_ll, or launches
+/// of fewer blocks) pass. An ordered comparison took a flag last written
+/// 2^31 or more collectives ago for an arrival (its wrapping difference
+/// turns positive), and then a wait passed without its peer. With
+/// equality a stale flag passes only if it was written exactly a multiple
+/// of the epoch period (2^32 - 2 collectives) before, or one less: the
+/// same bound as the LL words' (crate::ll).
 #[inline(always)]
 pub const fn reached(value: u32, epoch: u32) -> bool {
-    value != 0 && (value.wrapping_sub(epoch) as i32) >= 0
+    value == epoch || value == next_epoch(epoch)
 }
 
 /// The epoch that follows `prev`. Zero is never used, so zeroed signal
@@ -392,5 +402,53 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
                 };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reached_is_the_awaited_epoch_or_the_next_one() {
+        for e in [
+            1u32,
+            2,
+            3,
+            1000,
+            0x7fff_ffff,
+            0x8000_0000,
+            u32::MAX - 1,
+            u32::MAX,
+        ] {
+            assert!(reached(e, e));
+            assert!(reached(next_epoch(e), e));
+            assert!(!reached(0, e), "never written");
+            assert!(
+                !reached(next_epoch(next_epoch(e)), e),
+                "two ahead never happens"
+            );
+            // A flag left by an earlier collective, however long ago: the
+            // ordered comparison this replaced took ages of 2^31 and more
+            // for arrivals.
+            for age in [
+                1u32,
+                2,
+                3,
+                1 << 24,
+                (1 << 31) - 1,
+                1 << 31,
+                (1 << 31) + 10,
+                u32::MAX - 3,
+            ] {
+                let stale = e.wrapping_sub(age);
+                if stale != 0 {
+                    assert!(!reached(stale, e), "epoch {e:#x}: a flag {age:#x} old");
+                }
+            }
+        }
+        // Across the wrap: u32::MAX is followed by 2.
+        assert!(reached(2, u32::MAX));
+        assert!(!reached(1, u32::MAX));
     }
 }
