@@ -17,14 +17,17 @@
 //!   mix epochs.
 
 use crate::abi::{
-    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, BUFFER_ALIGN, MAX_RANKS,
+    error_code, Algorithm, BarrierKind, Dtype, ErrorRecord, Signal, BUFFER_ALIGN, MAX_BLOCKS,
+    MAX_RANKS,
 };
+use crate::call_tag::{CallDesc, TagBook};
 use crate::checks::{check_aligned, check_count};
 use crate::device::barrier::next_epoch;
 use crate::driver::{self, DeviceAlloc, HostMailbox, Kernels, PlainData as _};
 use crate::element::DeviceElement;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{launch_step, Ranks, Target};
+use crate::ll;
 use crate::plan::{AlgoChoice, Config, Inputs, Link, Plan, Request, Step};
 use crate::registered::RegisteredBuffers;
 use cudarc::driver::{CudaContext, CudaStream};
@@ -76,10 +79,32 @@ impl Health {
     }
 }
 
+/// Where a group's push_ll landing zone lies in each rank's signal
+/// allocation, for the look at a timed-out wait's words.
+#[derive(Clone, Copy)]
+pub(crate) struct LlZone {
+    pub(crate) offset: u64,
+    pub(crate) part: u64,
+    pub(crate) world: usize,
+}
+
+/// The tag of another call in word `v` of collective `epoch` (its low 24
+/// bits are the epoch's, its top byte not `mine`), if it holds one.
+fn other_call(v: u32, epoch: u32, mine: u32) -> Option<u8> {
+    let x = v ^ epoch;
+    (v != 0 && x & 0x00ff_ffff == 0 && x >> 24 != mine).then_some((x >> 24) as u8)
+}
+
 /// Reads a rank's error record (through the ABI struct) and turns it into
 /// an error. A code or barrier the kernels never write means the signal
 /// memory is corrupted: reported as such, not guessed.
-fn read_error_record(rank: usize, signal: &DeviceAlloc) -> Result<()> {
+///
+/// A timed-out wait is a [`Error::CallMismatch`] where the peer's words of
+/// that collective in this rank's signal carry another call's tag: the
+/// awaited flag, the peer's `Start` flag of that block or of block 0 (a
+/// flag algorithm), or its first LL word (push_ll). Otherwise the peer is
+/// dead or late: [`Error::PeerTimeout`].
+fn read_error_record(rank: usize, signal: &DeviceAlloc, ll: LlZone, book: &TagBook) -> Result<()> {
     let mut sig = [Signal::zeroed()];
     signal.read(&mut sig)?;
     let rec: ErrorRecord = sig[0].error;
@@ -89,13 +114,53 @@ fn read_error_record(rank: usize, signal: &DeviceAlloc) -> Result<()> {
     };
     match rec.code {
         error_code::NONE => Ok(()),
-        error_code::PEER_TIMEOUT => Err(Error::PeerTimeout {
-            rank: rec.rank as usize,
-            block: rec.block,
-            peer: rec.peer,
-            barrier: BarrierKind::from_u32(rec.barrier).ok_or_else(corrupted)?,
-            epoch: rec.epoch,
-        }),
+        error_code::PEER_TIMEOUT => {
+            let barrier = BarrierKind::from_u32(rec.barrier & 0xff).ok_or_else(corrupted)?;
+            let mine = (rec.barrier >> 8) & 0xff;
+            let (e, p, b) = (rec.epoch, rec.peer as usize, rec.block as usize);
+            if p >= MAX_RANKS || b >= MAX_BLOCKS {
+                return Err(corrupted());
+            }
+            let parity = (e & 1) as usize;
+            let s = &sig[0];
+            let flags = |kind: BarrierKind, block: usize| match kind {
+                BarrierKind::Start => s.start[parity][block][p],
+                BarrierKind::Mid => s.mid[parity][block][p],
+                BarrierKind::End => s.end[parity][block][p],
+                BarrierKind::Back => s.back[parity][block][p],
+                BarrierKind::Relay => s.relay[parity][block][p],
+            };
+            let mut words = vec![
+                flags(barrier, b),
+                flags(BarrierKind::Start, b),
+                flags(BarrierKind::Start, 0),
+            ];
+            if p < ll.world && ll.part != 0 {
+                // The high half of the first word of the peer's part of
+                // this collective's slot (`crate::ll::slot`).
+                let at = ll.offset + ll::slot(e, ll.world as u64, p as u64, ll.part);
+                let mut w = [0u64];
+                signal.read_at(at as usize, &mut w)?;
+                words.push((w[0] >> 32) as u32);
+            }
+            match words.into_iter().find_map(|v| other_call(v, e, mine)) {
+                Some(theirs) => Err(Error::CallMismatch {
+                    rank: rec.rank as usize,
+                    block: rec.block,
+                    peer: rec.peer,
+                    epoch: e,
+                    mine: book.named(mine as u8),
+                    theirs: book.named(theirs),
+                }),
+                None => Err(Error::PeerTimeout {
+                    rank: rec.rank as usize,
+                    block: rec.block,
+                    peer: rec.peer,
+                    barrier,
+                    epoch: e,
+                }),
+            }
+        }
         error_code::BAD_LAUNCH => Err(Error::BadLaunch {
             rank: rec.rank as usize,
             block: rec.block,
@@ -253,6 +318,8 @@ pub(crate) struct Collective {
     pub(crate) own: Vec<(usize, RankBuffers)>,
     health: Health,
     pub(crate) id: u64,
+    /// The last call launched with each tag, for naming a mismatch.
+    pub(crate) tags: TagBook,
 }
 
 impl Collective {
@@ -273,6 +340,17 @@ impl Collective {
             own,
             health: Health(Mutex::new(None)),
             id: next_group_id(),
+            tags: TagBook::new(),
+        }
+    }
+
+    /// Where this group's push_ll zone lies in a signal allocation.
+    fn ll_zone(&self) -> LlZone {
+        let (offset, part) = self.config.landing(Algorithm::PushLl, self.world);
+        LlZone {
+            offset,
+            part,
+            world: self.world,
         }
     }
 
@@ -295,7 +373,8 @@ impl Collective {
     /// Reads this process's error records; the first error poisons the group.
     fn read_records(&self) -> Result<()> {
         for (rank, b) in &self.own {
-            read_error_record(*rank, &b.signal).inspect_err(|e| self.health.poison(e))?;
+            read_error_record(*rank, &b.signal, self.ll_zone(), &self.tags)
+                .inspect_err(|e| self.health.poison(e))?;
         }
         Ok(())
     }
@@ -476,6 +555,11 @@ impl Collective {
         own_inputs: Option<&[u64; MAX_RANKS]>,
         absent: u32,
     ) -> Result<()> {
+        self.tags.note(CallDesc::plain(
+            step.len,
+            step.entry.dtype,
+            step.entry.algorithm,
+        ));
         let target = Target {
             table,
             signals: &self.signals,
@@ -653,6 +737,43 @@ fn epoch_after(mut e: u32, mut collectives: u32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_word_of_another_call_is_told_from_a_stale_or_own_one() {
+        use crate::abi::LaunchArgs;
+        let e = 0x0012_3457;
+        let args = |tag: u32| LaunchArgs {
+            call_tag: tag,
+            ..Default::default()
+        };
+        let mine = 0x3a;
+        // What the kernels store (`abi::tagged`).
+        let word = |tag: u32, epoch: u32| crate::abi::tagged(epoch, &args(tag), 0);
+        assert_eq!(other_call(word(0x5c, e), e, mine), Some(0x5c));
+        assert_eq!(
+            other_call(word(mine, e), e, mine),
+            None,
+            "this rank's own call"
+        );
+        assert_eq!(
+            other_call(word(0x5c, e - 2), e, mine),
+            None,
+            "an older collective"
+        );
+        assert_eq!(other_call(0, e, mine), None, "never written");
+        // An injected flip is another call too.
+        let flipped = LaunchArgs {
+            call_tag: mine,
+            mismatched_ranks: 0b10,
+            ..Default::default()
+        };
+        let v = crate::abi::tagged(e, &flipped, 1);
+        assert_eq!(
+            other_call(v, e, mine),
+            Some((mine ^ crate::abi::MISMATCH_FLIP) as u8)
+        );
+        assert_eq!(crate::abi::tagged(e, &flipped, 0), word(mine, e));
+    }
 
     #[test]
     fn epoch_after_counts_as_the_kernels_do() {

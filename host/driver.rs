@@ -251,6 +251,16 @@ impl DeviceAlloc {
         // bytes (the GPU suite's fault matrix saw a poisoned element).
         self.ctx.synchronize().during("cuCtxSynchronize")
     }
+    /// Reads `dst` from byte `offset` of the allocation (synchronous).
+    pub fn read_at<T: PlainData>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        assert!(
+            offset + std::mem::size_of_val(dst) <= self.bytes.max(256),
+            "read past the end of a DeviceAlloc"
+        );
+        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
+        // SAFETY: bounds checked above; every bit pattern is a valid T (PlainData).
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }.during("cuMemcpyDtoH")
+    }
     /// Reads the start of the allocation into `dst` (synchronous).
     pub fn read<T: PlainData>(&self, dst: &mut [T]) -> Result<()> {
         assert!(

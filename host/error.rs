@@ -83,6 +83,23 @@ pub enum Error {
         epoch: u32,
     },
 
+    #[error(
+        "rank {rank}, block {block}: peer {peer} made another call than this rank in the same collective \
+         (epoch {epoch}): this rank's is {mine}, the peer's {theirs}. Every rank must make the same calls \
+         (count, dtype, algorithm, fused shape) in the same order. The group is now out of step: call reset() \
+         on every rank (or recreate the group) before the next collective"
+    )]
+    CallMismatch {
+        rank: usize,
+        block: u32,
+        peer: u32,
+        epoch: u32,
+        /// This rank's call, as its words carried it.
+        mine: crate::call_tag::TaggedCall,
+        /// The peer's, as its words left in this rank's signal show it.
+        theirs: crate::call_tag::TaggedCall,
+    },
+
     #[error("kernel on rank {rank} reported a bad launch shape (block {block}): this is a bug in p2p-allreduce")]
     BadLaunch { rank: usize, block: u32 },
 

@@ -3,6 +3,7 @@
 //! builds `LaunchArgs`.
 
 use crate::abi::{LaunchArgs, MAX_RANKS};
+use crate::call_tag::CallDesc;
 use crate::driver::Kernels;
 use crate::error::{Error, Result};
 use crate::plan::{Config, Step};
@@ -25,13 +26,27 @@ pub(crate) struct Target<'a> {
     pub table: u64,
     pub signals: &'a [u64; MAX_RANKS],
     pub outputs: &'a [u64; MAX_RANKS],
-    /// Ranks that leave at once (fault injection; 0 normally).
+    /// Fault injection ([`Faults`]; 0 normally).
     pub absent: u32,
     /// Device address of the launching member's host error mailbox.
     pub host_error: u64,
     /// The ranks' own inputs at the start of the message, read in place
     /// (`LaunchArgs::own_inputs`, push_ll only), or `None`: the table's.
     pub own_inputs: Option<&'a [u64; MAX_RANKS]>,
+}
+
+/// Fault injection of one launch, as [`Target::absent`] carries it: bits
+/// 0..8 the ranks that leave at once (`LaunchArgs::absent_ranks`), bits
+/// 16..24 the ranks that carry another call's tag
+/// (`LaunchArgs::mismatched_ranks`).
+pub(crate) struct Faults;
+
+impl Faults {
+    pub(crate) const MISMATCH_SHIFT: u32 = 16;
+    /// The two masks of an encoded `faults` word: (absent, mismatched).
+    pub(crate) const fn split(faults: u32) -> (u32, u32) {
+        (faults & 0xff, (faults >> Self::MISMATCH_SHIFT) & 0xff)
+    }
 }
 
 /// Launches `step` on `stream` for `ranks` of a `world`-rank group.
@@ -78,7 +93,9 @@ pub(crate) unsafe fn launch_step(
         count: step.len as u64,
         timeout_ns: config.timeout_ns(),
         rank,
-        absent_ranks: target.absent,
+        absent_ranks: Faults::split(target.absent).0,
+        mismatched_ranks: Faults::split(target.absent).1,
+        call_tag: CallDesc::plain(step.len, step.entry.dtype, step.entry.algorithm).tag(),
         host_error: target.host_error,
         landing_part,
         landing_offset,

@@ -39,6 +39,7 @@ pub use p2p_allreduce_device::ll;
 /// signature): use it instead of guessing the matching version.
 pub use cudarc;
 
+pub mod call_tag;
 mod checks;
 mod choice;
 mod collective;

@@ -9,7 +9,7 @@ use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
 use crate::fused::{NormBuffers, NormInputs};
-use crate::launch::Ranks;
+use crate::launch::{Faults, Ranks};
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
 use crate::thresholds;
@@ -559,7 +559,43 @@ impl PeerGroup {
     ) -> Result<()> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         self.core
-            .launch_with_absent_ranks(&s, absent_ranks, dtype, algorithm, count)
+            .launch_with_absent_ranks(&s, absent_ranks & 0xff, dtype, algorithm, count)
+    }
+
+    /// Fault injection for your own tests: one collective in which the
+    /// ranks in `mismatched_ranks` (bit r: rank r) carry another call's
+    /// tag, as ranks whose call differs from the others' would; every rank
+    /// then records `CallMismatch` (or `PeerTimeout` where it saw no word
+    /// of another call), which [`PeerGroup::check`] reports. Does not wait.
+    pub fn launch_with_mismatched_ranks(
+        &self,
+        streams: &[Arc<CudaStream>],
+        mismatched_ranks: u32,
+        dtype: Dtype,
+        algorithm: Algorithm,
+        count: usize,
+    ) -> Result<()> {
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
+        self.core
+            .launch_with_absent_ranks(&s, faults, dtype, algorithm, count)
+    }
+
+    /// The fused call's [`Self::launch_with_mismatched_ranks`], as
+    /// [`Self::add_rmsnorm_with_absent_ranks`]. Does not wait.
+    pub fn add_rmsnorm_with_mismatched_ranks(
+        &self,
+        streams: &[Arc<CudaStream>],
+        mismatched_ranks: u32,
+        dtype: Dtype,
+        algorithm: AlgoChoice,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<Algorithm> {
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
+        self.core
+            .add_rmsnorm_with_absent_ranks(&s, faults, dtype, rows, hidden, algorithm)
     }
 
     /// Fault injection for the fused call, as
@@ -582,7 +618,13 @@ impl PeerGroup {
         hidden: usize,
     ) -> Result<Algorithm> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        self.core
-            .add_rmsnorm_with_absent_ranks(&s, absent_ranks, dtype, rows, hidden, algorithm)
+        self.core.add_rmsnorm_with_absent_ranks(
+            &s,
+            absent_ranks & 0xff,
+            dtype,
+            rows,
+            hidden,
+            algorithm,
+        )
     }
 }

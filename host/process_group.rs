@@ -461,12 +461,12 @@ impl ProcessGroup {
     /// [`ProcessGroup::allreduce`] after checking, through `exchange`, that
     /// every rank passes the same dtype, element count and algorithm choice.
     /// A mismatch is `Error::RankMismatch` on every rank, before any kernel
-    /// runs. Without the check, calls that differ are not caught: a
-    /// different count or dtype returns without an error and leaves wrong
-    /// sums (elements past the shorter call's end are summed with whatever
-    /// the peer's buffer holds), a different algorithm can end in a peer
-    /// timeout. Costs one host round trip per call: for debugging and for
-    /// first calls.
+    /// runs. Without the check, calls that differ are caught by the
+    /// kernels' call tags at the peer timeout (`Error::CallMismatch` from
+    /// `check()`, naming tags rather than whole calls; a disagreement the
+    /// 8-bit tag misses, one in 256 outside a count off by 1..255, dtype
+    /// and algorithm, is not caught). Costs one host round trip per call:
+    /// for debugging and for first calls.
     ///
     /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
     /// (no wait) and [`Self::check`] report them, and the next call refuses

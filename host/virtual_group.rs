@@ -9,7 +9,7 @@ use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
 use crate::fused::{NormBuffers, NormInputs};
-use crate::launch::Ranks;
+use crate::launch::{Faults, Ranks};
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
 use crate::thresholds;
@@ -432,8 +432,13 @@ impl VirtualGroup {
         algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
-        self.core
-            .launch_with_absent_ranks(&[stream], absent_ranks, dtype, algorithm, count)?;
+        self.core.launch_with_absent_ranks(
+            &[stream],
+            absent_ranks & 0xff,
+            dtype,
+            algorithm,
+            count,
+        )?;
         stream.synchronize().map_err(|source| Error::Driver {
             during: "cuStreamSynchronize",
             source,
@@ -461,7 +466,56 @@ impl VirtualGroup {
     ) -> Result<Algorithm> {
         let used = self.core.add_rmsnorm_with_absent_ranks(
             &[stream],
-            absent_ranks,
+            absent_ranks & 0xff,
+            dtype,
+            rows,
+            hidden,
+            algorithm,
+        )?;
+        stream.synchronize().map_err(|source| Error::Driver {
+            during: "cuStreamSynchronize",
+            source,
+        })?;
+        Ok(used)
+    }
+}
+
+impl VirtualGroup {
+    /// Fault injection for your own tests: one collective in which the
+    /// ranks in `mismatched_ranks` (bit r: rank r) carry another call's
+    /// tag, as ranks whose call differs from the others' would; the ranks
+    /// wait for words of their own call until the timeout and record
+    /// `CallMismatch` (or `PeerTimeout` where they saw no word of another
+    /// call), which [`VirtualGroup::check`] reports. Does not wait, so a
+    /// CUDA graph can capture it.
+    pub fn launch_with_mismatched_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        mismatched_ranks: u32,
+        dtype: Dtype,
+        algorithm: Algorithm,
+        count: usize,
+    ) -> Result<()> {
+        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
+        self.core
+            .launch_with_absent_ranks(&[stream], faults, dtype, algorithm, count)
+    }
+
+    /// The fused call's [`Self::launch_with_mismatched_ranks`], as
+    /// [`Self::add_rmsnorm_with_absent_ranks`]. Waits for the stream.
+    pub fn add_rmsnorm_with_mismatched_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        mismatched_ranks: u32,
+        dtype: Dtype,
+        algorithm: AlgoChoice,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<Algorithm> {
+        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
+        let used = self.core.add_rmsnorm_with_absent_ranks(
+            &[stream],
+            faults,
             dtype,
             rows,
             hidden,

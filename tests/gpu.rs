@@ -26,6 +26,9 @@ struct Gpu {
     stream: Arc<CudaStream>,
 }
 
+#[path = "gpu/mismatch.rs"]
+mod mismatch;
+
 fn main() {
     let cases: &[Case] = &[
         ("smoke_sm_ptx_loads_and_runs", smoke),
@@ -43,6 +46,11 @@ fn main() {
             "stale_flags_are_no_arrival_2_31_collectives_on",
             stale_flags,
         ),
+        (
+            "ranks_that_disagree_injected_every_group_kind",
+            mismatch::injected,
+        ),
+        ("ranks_that_disagree_two_processes", mismatch::processes),
         ("user_errors_are_typed", user_errors),
         ("api_safety_misuse_is_refused_or_ordered", api_safety),
         ("peer_group_real_rank_entries_every_gpu", peer_group),
@@ -2133,11 +2141,11 @@ fn kill_child(rank: usize, mode: &str) -> Result<String, String> {
 
 fn ipc_child(rank: usize) -> i32 {
     let mode = std::env::var("P2P_IPC_MODE").unwrap_or_else(|_| "sweep".into());
-    if mode == "fault" || mode == "auto_fused" {
-        let r = if mode == "fault" {
-            fault_child(rank)
-        } else {
-            auto_fused_child(rank)
+    if mode == "fault" || mode == "auto_fused" || mode == "mismatch" {
+        let r = match mode.as_str() {
+            "fault" => fault_child(rank),
+            "mismatch" => mismatch::child(rank),
+            _ => auto_fused_child(rank),
         };
         return match r {
             Ok(msg) => {

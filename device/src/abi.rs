@@ -85,26 +85,29 @@ pub struct ErrorRecord {
     pub peer: u32,
     /// The epoch the block was waiting for.
     pub epoch: u32,
-    /// Which barrier, as a [`BarrierKind`] value.
+    /// Which barrier, as a [`BarrierKind`] value in bits 0..8; for
+    /// `PEER_TIMEOUT`, bits 8..16 hold the waiting rank's call tag (with
+    /// any injected flip), the tag its own words carry.
     pub barrier: u32,
     pub _reserved: [u32; 2],
 }
 
 /// One rank's signal buffer, in memory every peer can map.
 ///
-/// `start[b][p]` in rank r's signal is written by peer p's block b when it
-/// reaches the start barrier, and read by rank r's block b. Flags hold the
-/// epoch of the collective; `epoch[b]` is owned by block b of this rank and
+/// `start[e % 2][b][p]` in rank r's signal is written by peer p's block b
+/// when it reaches the start barrier of collective `e`, and read by rank
+/// r's block b. Flags hold the epoch of the collective with the peer's
+/// call tag in its top byte ([`tagged`]); `epoch[b]` is owned by block b of this rank and
 /// is advanced on the device, so the same launch can be replayed in a CUDA
 /// graph. Zeroed memory is a valid initial state: epochs start at 1.
 #[repr(C, align(128))]
 #[derive(Clone, Copy)]
 pub struct Signal {
-    pub start: [[u32; MAX_RANKS]; MAX_BLOCKS],
-    pub mid: [[u32; MAX_RANKS]; MAX_BLOCKS],
-    pub end: [[u32; MAX_RANKS]; MAX_BLOCKS],
-    pub back: [[u32; MAX_RANKS]; MAX_BLOCKS],
-    pub relay: [[u32; MAX_RANKS]; MAX_BLOCKS],
+    pub start: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub mid: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub end: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub back: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub relay: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
     pub epoch: [u32; MAX_BLOCKS],
     pub error: ErrorRecord,
     pub _pad: [u32; 440],
@@ -112,8 +115,11 @@ pub struct Signal {
 
 impl Signal {
     /// Byte offset of the flag that `from` writes into this signal for block
-    /// `block` at barrier `kind`.
-    pub const fn flag_offset(kind: BarrierKind, block: usize, from: usize) -> usize {
+    /// `block` at barrier `kind` in collectives of epoch parity `parity`.
+    /// Flags alternate by parity as the landing zones do: a peer one
+    /// collective ahead (push) writes the other parity's flag, so a wait
+    /// sees only its own collective's word, under the peer's call tag.
+    pub const fn flag_offset(kind: BarrierKind, parity: usize, block: usize, from: usize) -> usize {
         let set = match kind {
             BarrierKind::Start => 0,
             BarrierKind::Mid => 1,
@@ -121,11 +127,11 @@ impl Signal {
             BarrierKind::Back => 3,
             BarrierKind::Relay => 4,
         };
-        (set * MAX_BLOCKS * MAX_RANKS + block * MAX_RANKS + from) * 4
+        (((set * 2 + parity) * MAX_BLOCKS + block) * MAX_RANKS + from) * 4
     }
     /// Flag sets, one per [`BarrierKind`].
     pub const FLAG_SETS: usize = 5;
-    pub const EPOCH_OFFSET: usize = Self::FLAG_SETS * MAX_BLOCKS * MAX_RANKS * 4;
+    pub const EPOCH_OFFSET: usize = Self::FLAG_SETS * 2 * MAX_BLOCKS * MAX_RANKS * 4;
     /// Where a rank's landing zones start in its signal allocation: right
     /// after the [`Signal`], push's first, then push_ll's, then
     /// push_two_stage's, then push_islands' (`LaunchArgs::landing_offset`
@@ -248,18 +254,44 @@ pub struct LaunchArgs {
     /// then needs no copy into the staging buffer, and the kernel's first
     /// input load needs no table load before it.
     pub own_inputs: [u64; MAX_RANKS],
+    /// The call's tag (8 bits the host computes from the call's count,
+    /// dtype, algorithm and fused shape): every flag and every LL word
+    /// this rank stores carries `epoch ^ tag << 24` ([`tagged`]) and every
+    /// wait awaits its own, so ranks whose calls differ never take each
+    /// other's words, and the host tells a mismatch from a dead peer by the
+    /// words left where a wait timed out.
+    pub call_tag: u32,
+    /// Fault injection for tests: ranks whose bit is set carry the tag
+    /// with [`MISMATCH_FLIP`] flipped, as a rank with another call would.
+    /// Zero in normal use.
+    pub mismatched_ranks: u32,
+}
+
+/// The tag bits a rank in [`LaunchArgs::mismatched_ranks`] flips.
+pub const MISMATCH_FLIP: u32 = 0x80;
+
+/// What rank `rank` of a launch stores and awaits at `epoch`: the epoch
+/// with the call's tag XORed into its top byte. For one call this is a
+/// bijection of the epoch, so equality keeps every guarantee of the plain
+/// epoch (docs/design.md, "Call tags"); words of another call at the same
+/// epoch differ in the top byte and agree in the low 24 bits.
+#[inline(always)]
+pub const fn tagged(epoch: u32, a: &LaunchArgs, rank: u32) -> u32 {
+    let flip = ((a.mismatched_ranks >> rank) & 1) * MISMATCH_FLIP;
+    epoch ^ ((a.call_tag ^ flip) << 24)
 }
 
 // Layout checks: the host writes these bytes and the PTX reads them.
 const _: () = {
     use core::mem::{align_of, offset_of, size_of};
     assert!(size_of::<ErrorRecord>() == 32);
-    assert!(size_of::<Signal>() == 12288);
+    assert!(size_of::<Signal>() == 22528);
     assert!(align_of::<Signal>() == 128);
-    assert!(offset_of!(Signal, mid) == Signal::flag_offset(BarrierKind::Mid, 0, 0));
-    assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0));
-    assert!(offset_of!(Signal, back) == Signal::flag_offset(BarrierKind::Back, 0, 0));
-    assert!(offset_of!(Signal, relay) == Signal::flag_offset(BarrierKind::Relay, 0, 0));
+    assert!(offset_of!(Signal, mid) == Signal::flag_offset(BarrierKind::Mid, 0, 0, 0));
+    assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0, 0));
+    assert!(offset_of!(Signal, back) == Signal::flag_offset(BarrierKind::Back, 0, 0, 0));
+    assert!(offset_of!(Signal, relay) == Signal::flag_offset(BarrierKind::Relay, 0, 0, 0));
+    assert!(Signal::flag_offset(BarrierKind::Start, 1, 0, 0) == MAX_BLOCKS * MAX_RANKS * 4);
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
     assert!(size_of::<RankTable>() == 192);
@@ -267,7 +299,9 @@ const _: () = {
     // allocations, so every table is 16-byte aligned: a kernel may read
     // its first pack as a stand-in address (`push_ll::ll_first`).
     assert!(size_of::<RankTable>() & 15 == 0);
-    assert!(size_of::<LaunchArgs>() == 248);
+    assert!(size_of::<LaunchArgs>() == 256);
+    assert!(offset_of!(LaunchArgs, call_tag) == 248);
+    assert!(offset_of!(LaunchArgs, mismatched_ranks) == 252);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);
     assert!(offset_of!(LaunchArgs, count) == 136);
@@ -386,10 +420,10 @@ pub struct NormArgs {
 
 const _: () = {
     use core::mem::{offset_of, size_of};
-    assert!(size_of::<NormArgs>() == 464);
-    assert!(offset_of!(NormArgs, residual) == 248);
-    assert!(offset_of!(NormArgs, rows) == 440);
-    assert!(offset_of!(NormArgs, eps) == 456);
+    assert!(size_of::<NormArgs>() == 472);
+    assert!(offset_of!(NormArgs, residual) == 256);
+    assert!(offset_of!(NormArgs, rows) == 448);
+    assert!(offset_of!(NormArgs, eps) == 464);
     assert!(NORM_MAX_CHUNKS * 4 == 16384);
     assert!(NORM_CLUSTER_WORDS * 4 == 128);
 };

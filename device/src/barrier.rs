@@ -28,6 +28,15 @@
 //! only `Start`: a peer can finish a collective without waiting for this
 //! rank's reads and arrive at the next one, one epoch ahead (never two: its
 //! next wait needs this rank's next arrival).
+//!
+//! The kernels keep one flag per barrier *and epoch parity*
+//! (`Signal::flag_offset`), so a peer one collective ahead writes the other
+//! parity's flag and a wait sees only its own collective's word; and the
+//! word is the epoch with the writer's call tag in its top byte
+//! (`abi::tagged`), so a wait never takes a word of another call for an
+//! arrival. `reached` still accepts the next epoch: the protocol is sound
+//! with one flag per barrier too, which is what `tests/loom_barrier.rs`
+//! models.
 
 use crate::abi::{Algorithm, BarrierKind};
 

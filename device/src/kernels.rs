@@ -37,8 +37,8 @@
 //! [`order`]); the kernels only place the barrier sites.
 
 use crate::abi::{
-    error_code, Algorithm, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal, MAX_BLOCKS,
-    MAX_RANKS,
+    error_code, tagged, Algorithm, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal,
+    MAX_BLOCKS, MAX_RANKS,
 };
 use crate::barrier::{arrive_ordered, next_epoch, order, runs, wait_ordered, Order, Wait};
 use crate::cuda::*;

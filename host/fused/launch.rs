@@ -5,10 +5,11 @@
 
 use super::{NormInputs, NormPlan, NormPtrs};
 use crate::abi::{Algorithm, Dtype, LaunchArgs, NormArgs, BUFFER_ALIGN, NORM_MAX_CTAS};
+use crate::call_tag::CallDesc;
 use crate::checks::{check_aligned, check_count};
 use crate::collective::{disjoint, stage, Collective, Member};
 use crate::error::{Error, Result};
-use crate::launch::Ranks;
+use crate::launch::{Faults, Ranks};
 use crate::plan::{AlgoChoice, Inputs};
 use crate::ptx::{Entry, Op};
 use cudarc::driver::CudaStream;
@@ -229,6 +230,8 @@ impl Collective {
                 }
                 let (landing_offset, landing_part) =
                     self.config.landing(plan.algorithm, self.world);
+                let call = CallDesc::fused(n, hidden, dtype, plan.algorithm);
+                self.tags.note(call);
                 let mut args = NormArgs {
                     base: LaunchArgs {
                         table,
@@ -236,7 +239,9 @@ impl Collective {
                         count: (n * hidden) as u64,
                         timeout_ns: self.config.timeout_ns(),
                         rank,
-                        absent_ranks: absent,
+                        absent_ranks: Faults::split(absent).0,
+                        mismatched_ranks: Faults::split(absent).1,
+                        call_tag: call.tag(),
                         host_error: member.mailbox.device_ptr(),
                         landing_part,
                         landing_offset,

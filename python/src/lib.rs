@@ -65,6 +65,12 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             kw.set_item("peers", vec![*peer])?;
             "UnavailableError"
         }
+        // Ranks that disagree about a call, found by the kernels' words.
+        Error::CallMismatch { rank, peer, .. } => {
+            kw.set_item("rank", *rank)?;
+            kw.set_item("peers", vec![*peer as usize])?;
+            "GroupError"
+        }
         Error::Poisoned(_) => "PoisonedError",
         Error::NoDriver | Error::NoPtxForDevice { .. } => "UnavailableError",
         Error::WorldSize(_)

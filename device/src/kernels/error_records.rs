@@ -5,19 +5,20 @@
 // thread of the rank that records an error, then the host's mailbox
 // raised.
 
-/// The flag that `from` writes into the signal at `sig`.
+/// The flag that `from` writes into the signal at `sig` in collectives of
+/// epoch parity `parity & 1`.
 ///
 /// # Safety
 /// `sig` must be the address of a [`Signal`] that stays mapped for `'a`,
 /// `block < MAX_BLOCKS` and `from < MAX_RANKS`, and the flag must be
 /// accessed only atomically while the reference lives.
 #[inline(always)]
-unsafe fn flag<'a>(sig: u64, kind: BarrierKind, block: u32, from: u32) -> &'a AtomicU32 {
+unsafe fn flag<'a>(sig: u64, kind: BarrierKind, parity: u32, block: u32, from: u32) -> &'a AtomicU32 {
     // SAFETY: `sig` is a Signal (caller contract) and the offset stays inside
     // it because block < MAX_BLOCKS and from < MAX_RANKS; flags are 4-byte
     // aligned u32s, which AtomicU32 may alias.
     unsafe {
-        &*((sig as usize + Signal::flag_offset(kind, block as usize, from as usize))
+        &*((sig as usize + Signal::flag_offset(kind, parity as usize & 1, block as usize, from as usize))
             as *const AtomicU32)
     }
 }

@@ -158,6 +158,7 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
         return;
     }
     let (mut a1, mut a2) = first;
+    let tag = tagged(epoch, a, rank);
     let part = ll::slot(epoch, N as u64, rank as u64, a.landing_part);
     let mut dst = [0u64; MAX_RANKS];
     let mut p = 0;
@@ -169,9 +170,9 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
         let i2 = i + stride;
         // Inside every peer's part, which holds `packs` LL packs
         // (contract).
-        send_lines::<N>(&dst, rank, i, ll::encode(a1, epoch));
+        send_lines::<N>(&dst, rank, i, ll::encode(a1, tag));
         if i2 < packs {
-            send_lines::<N>(&dst, rank, i2, ll::encode(a2, epoch));
+            send_lines::<N>(&dst, rank, i2, ll::encode(a2, tag));
         }
         i += 2 * stride;
         if i >= packs {
@@ -299,6 +300,7 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
     // Phase 2: wait for each peer's packs in this rank's zone, in rank
     // order, and reduce them with this rank's own input.
     let zone = own_sig + a.landing_offset;
+    let tag = tagged(epoch, a, rank);
     let output = pick::<N>(&a.outputs, rank);
     let mut i = g;
     while i < packs {
@@ -313,7 +315,7 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
                 unsafe { ld_pack_upto::<E>(own_in, i, a.count) }
             } else {
                 let slot = GpuSlot(zone + part(r as u64) + i * LL_PACK_BYTES as u64);
-                match ll::wait_pack(&slot, epoch, a.timeout_ns, &mut GlobalTimer) {
+                match ll::wait_pack(&slot, tag, a.timeout_ns, &mut GlobalTimer) {
                     Some(pk) => pk,
                     None => {
                         // The data is the arrival: report it as the Start
@@ -328,7 +330,7 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
                                 block,
                                 r as u32,
                                 epoch,
-                                BarrierKind::Start as u32,
+                                BarrierKind::Start as u32 | (tag ^ epoch) >> 16,
                             )
                         };
                         return;

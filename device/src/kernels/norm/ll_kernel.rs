@@ -152,6 +152,7 @@ unsafe fn ll_rows<E: Element, const N: usize, const SPLIT: bool>(
         zone: own_sig + a.landing_offset,
         landing_part: a.landing_part,
         epoch,
+        tag: tagged(epoch, a, rank),
         rank,
         count: a.count,
         timeout_ns: a.timeout_ns,

@@ -17,6 +17,8 @@ struct LlSums<const N: usize> {
     zone: u64,
     landing_part: u64,
     epoch: u32,
+    /// What this rank's peers' words carry ([`tagged`]).
+    tag: u32,
     rank: u32,
     /// `count` of the launch: the last pack is zero-padded past it.
     count: u64,
@@ -72,7 +74,7 @@ impl<const N: usize> LlSums<N> {
     /// `failed`.
     #[inline(always)]
     fn finish(&mut self, r: usize, pi: u64, look: Lines) -> Pack {
-        if let Some(p) = crate::ll::decode(&look, self.epoch) {
+        if let Some(p) = crate::ll::decode(&look, self.tag) {
             return p;
         }
         // After one timeout this thread waits no more: each later pack
@@ -82,7 +84,7 @@ impl<const N: usize> LlSums<N> {
             return [0; 4];
         }
         let slot = self.slot(r, pi);
-        match crate::ll::wait_pack(&slot, self.epoch, self.timeout_ns, &mut GlobalTimer) {
+        match crate::ll::wait_pack(&slot, self.tag, self.timeout_ns, &mut GlobalTimer) {
             Some(p) => p,
             None => {
                 if !self.failed {
@@ -98,7 +100,7 @@ impl<const N: usize> LlSums<N> {
                             self.block,
                             r as u32,
                             self.epoch,
-                            BarrierKind::Start as u32,
+                            BarrierKind::Start as u32 | (self.tag ^ self.epoch) >> 16,
                         )
                     };
                 }
