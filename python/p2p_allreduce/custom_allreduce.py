@@ -202,7 +202,9 @@ class CustomAllreduce:
     def allreduce(self, tensor, out=None, *, algorithm: Optional[str] = None):
         """Sums ``tensor`` over the ranks on the current stream, in place, or
         into ``out`` (same dtype, shape and device). Returns the result.
-        Every rank must call it with the same dtype and element count."""
+        Every rank must call it with the same dtype and element count:
+        ranks that do not get ``GroupError`` from ``check()`` (the kernels'
+        call tags, docs/design.md)."""
         g = self._group()
         dt = self._kind(tensor, "tensor")
         if out is not None:

@@ -375,6 +375,31 @@ def timeout_case(c, ca, dead):
     c.run(f"a dead rank {dead} raises PeerTimeoutError naming it", body)
 
 
+def mismatch_case(c, ca):
+    """Issue 31: rank r allreduces 1000 + r elements; every rank must get
+    GroupError naming the other (the kernels' call tags), never wrong sums;
+    after reset() on every rank the group is exact again."""
+
+    def body():
+        other = 1 - c.rank
+        x = c.x(1000 + c.rank, torch.float32, 11)
+        ca.allreduce(x)
+        try:
+            ca.check()
+        except pa.GroupError as e:
+            assert other in e.peers, f"peers {e.peers} should name rank {other}: {e}"
+            print(f"rank {c.rank}: GroupError: {e}", flush=True)
+        else:
+            raise AssertionError("no GroupError for a count off by one")
+        dist.barrier()
+        ca.reset()
+        dist.barrier()
+        x = c.x(1000, torch.float32, 12)
+        same_bits(ca.allreduce(x), c.ref(1000, torch.float32, 12), "after reset")
+
+    c.run("counts 1000 and 1001 raise GroupError naming the peer, then exact after reset", body)
+
+
 def adapter_cases(c, world, group):
     """The engine-facing object (p2p_allreduce.integrations) on the real
     kernels: what SGLang and vLLM call, out of place, in a graph inside
@@ -457,7 +482,7 @@ def main(rank, world, devices, port, outdir, mode):
     torch.cuda.set_device(dev)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     c = Cases(rank, world, dev)
-    timeout = 2.0 if mode == "timeout" else 5.0
+    timeout = {"timeout": 2.0, "mismatch": 1.0}.get(mode, 5.0)
     ca = None
 
     def make():
@@ -480,6 +505,8 @@ def main(rank, world, devices, port, outdir, mode):
                 os._exit(0)
             time.sleep(0.5)
             timeout_case(c, ca, dead)
+        elif mode == "mismatch":
+            mismatch_case(c, ca)
         else:
             correctness(c, ca)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:

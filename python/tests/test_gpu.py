@@ -95,6 +95,9 @@ class GpuTests(unittest.TestCase):
     def test_two_processes_on_gpu0_dead_rank(self):
         self.check([0, 0], "timeout", [0])
 
+    def test_two_processes_on_gpu0_calls_that_differ(self):
+        self.check([0, 0], "mismatch", [0, 1])
+
     def test_group_across_hosts_is_unavailable(self):
         """Issue 31: a group whose ranks are on two hosts is refused at
         construction, before any IPC handle is opened, with

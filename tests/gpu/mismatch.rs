@@ -133,6 +133,15 @@ pub(super) fn injected(g: &Gpu) {
     println!("  {n} injected mismatches (virtual w2, w3: every algorithm eager and in graphs, fused; PeerGroup on GPU 0) reported as CallMismatch");
 }
 
+/// A device buffer of `n` copies of `v`.
+fn filled<T: cudarc::driver::DeviceRepr + Clone>(
+    s: &Arc<CudaStream>,
+    v: T,
+    n: usize,
+) -> Result<CudaSlice<T>, String> {
+    s.clone_htod(&vec![v; n]).map_err(|e| e.to_string())
+}
+
 /// What rank `rank` of the two-process case `case` calls: rank 0 the
 /// base call, rank 1 another count, dtype or algorithm.
 fn process_call(case: usize, rank: usize) -> (usize, Dtype, Algorithm) {
@@ -186,8 +195,10 @@ fn names(case: usize) -> String {
 }
 
 /// One process of the two-process case (`P2P_IPC_MODE=mismatch`): real
-/// calls that differ (no injection), each followed by the check, a reset
-/// and a bit-exact allreduce, with a rendezvous round between steps.
+/// calls that differ (no injection; the cases of [`process_call`], then
+/// the fused op with one row more on rank 1, one-stage and push_ll), each
+/// followed by the check, a reset and a bit-exact allreduce, with a
+/// rendezvous round between steps.
 pub(super) fn child(rank: usize) -> Result<String, String> {
     let env = |k: &str| std::env::var(k).map_err(|e| format!("{k}: {e}"));
     let gpu: usize = env("P2P_IPC_GPU")?.parse().map_err(|e| format!("{e}"))?;
@@ -202,21 +213,13 @@ pub(super) fn child(rank: usize) -> Result<String, String> {
         let (count, dtype, algo) = process_call(case, rank);
         let r = match dtype {
             Dtype::F32 => {
-                let x = stream
-                    .clone_htod(&vec![1.5f32; count])
-                    .map_err(|e| e.to_string())?;
-                let mut y = stream
-                    .clone_htod(&vec![poison::<f32>(); count])
-                    .map_err(|e| e.to_string())?;
+                let x = filled(&stream, 1.5f32, count)?;
+                let mut y = filled(&stream, poison::<f32>(), count)?;
                 group.allreduce(&stream, &x, &mut y, algo.into())
             }
             _ => {
-                let x = stream
-                    .clone_htod(&vec![half::bf16::from_f32(1.5); count])
-                    .map_err(|e| e.to_string())?;
-                let mut y = stream
-                    .clone_htod(&vec![poison::<half::bf16>(); count])
-                    .map_err(|e| e.to_string())?;
+                let x = filled(&stream, half::bf16::from_f32(1.5), count)?;
+                let mut y = filled(&stream, poison::<half::bf16>(), count)?;
                 group.allreduce(&stream, &x, &mut y, algo.into())
             }
         };
@@ -250,6 +253,42 @@ pub(super) fn child(rank: usize) -> Result<String, String> {
         // The same algorithm on both ranks: rank 0's.
         let agreed = process_call(case, 0).2;
         ipc_allreduce(&group, &stream, 1000, 90 + case as u64, agreed).map_err(es)?;
+    }
+    // The fused op, rank 1 with one row more.
+    for algo in [Algorithm::OneStage, Algorithm::PushLl] {
+        let (rows, hidden) = (2 + rank, 4096);
+        let n = rows * hidden;
+        let what = format!("fused 2 x 4096 against 3 x 4096 f32 {}", algo.name());
+        let x = filled(&stream, 1.5f32, n)?;
+        let mut res = filled(&stream, 0.25f32, n)?;
+        let gamma = filled(&stream, 1.0f32, hidden)?;
+        let mut out = filled(&stream, poison::<f32>(), n)?;
+        let got = group
+            .allreduce_add_rmsnorm(&stream, &x, &mut res, &gamma, 1e-6, &mut out, algo.into())
+            .and_then(|_| group.check(&stream));
+        match got {
+            Err(Error::CallMismatch {
+                peer, mine, theirs, ..
+            }) if peer as usize == 1 - rank => {
+                let want = CallDesc::fused(rows, hidden, Dtype::F32, algo);
+                if mine.call != Some(want) {
+                    return Err(format!(
+                        "{what}: this rank's call named {mine}, want {want}"
+                    ));
+                }
+                lines.push(format!("{what}: CallMismatch ({mine} / {theirs})"));
+            }
+            other => {
+                return Err(format!(
+                    "{what}: expected CallMismatch naming {}, got {other:?}",
+                    1 - rank
+                ))
+            }
+        }
+        ex.all_gather(&[9]).map_err(es)?;
+        group.reset().map_err(es)?;
+        ex.all_gather(&[9]).map_err(es)?;
+        ipc_allreduce(&group, &stream, 1000, 99, Algorithm::OneStage).map_err(es)?;
     }
     Ok(format!("rank {rank}: {}", lines.join("; ")))
 }
