@@ -235,6 +235,17 @@ pub struct LaunchArgs {
     /// Fault injection for tests: ranks whose bit is set leave the kernel
     /// at once, as a dead peer would. Zero in normal use.
     pub absent_ranks: u32,
+    /// The call's tag (8 bits the host computes from the call's count,
+    /// dtype, algorithm and fused shape): every flag and every LL word
+    /// this rank stores carries `epoch ^ tag << 24` ([`tagged`]) and every
+    /// wait awaits its own, so ranks whose calls differ never take each
+    /// other's words, and the host tells a mismatch from a dead peer by the
+    /// words left where a wait timed out.
+    pub call_tag: u32,
+    /// Fault injection for tests: ranks whose bit is set carry the tag
+    /// with [`MISMATCH_FLIP`] flipped, as a rank with another call would.
+    /// Zero in normal use.
+    pub mismatched_ranks: u32,
     /// Device address of a `u32` in mapped pinned host memory that a kernel
     /// sets to its error code after writing an error record (0: none), so
     /// the host learns of an error without synchronising.
@@ -254,17 +265,6 @@ pub struct LaunchArgs {
     /// then needs no copy into the staging buffer, and the kernel's first
     /// input load needs no table load before it.
     pub own_inputs: [u64; MAX_RANKS],
-    /// The call's tag (8 bits the host computes from the call's count,
-    /// dtype, algorithm and fused shape): every flag and every LL word
-    /// this rank stores carries `epoch ^ tag << 24` ([`tagged`]) and every
-    /// wait awaits its own, so ranks whose calls differ never take each
-    /// other's words, and the host tells a mismatch from a dead peer by the
-    /// words left where a wait timed out.
-    pub call_tag: u32,
-    /// Fault injection for tests: ranks whose bit is set carry the tag
-    /// with [`MISMATCH_FLIP`] flipped, as a rank with another call would.
-    /// Zero in normal use.
-    pub mismatched_ranks: u32,
 }
 
 /// The tag bits a rank in [`LaunchArgs::mismatched_ranks`] flips.
@@ -300,18 +300,20 @@ const _: () = {
     // its first pack as a stand-in address (`push_ll::ll_first`).
     assert!(size_of::<RankTable>() & 15 == 0);
     assert!(size_of::<LaunchArgs>() == 256);
-    assert!(offset_of!(LaunchArgs, call_tag) == 248);
-    assert!(offset_of!(LaunchArgs, mismatched_ranks) == 252);
     assert!(offset_of!(LaunchArgs, outputs) == 8);
     assert!(offset_of!(LaunchArgs, signals) == 72);
     assert!(offset_of!(LaunchArgs, count) == 136);
     assert!(offset_of!(LaunchArgs, timeout_ns) == 144);
     assert!(offset_of!(LaunchArgs, rank) == 152);
     assert!(offset_of!(LaunchArgs, absent_ranks) == 156);
-    assert!(offset_of!(LaunchArgs, host_error) == 160);
-    assert!(offset_of!(LaunchArgs, landing_part) == 168);
-    assert!(offset_of!(LaunchArgs, landing_offset) == 176);
-    assert!(offset_of!(LaunchArgs, own_inputs) == 184);
+    // In the parameter line every kernel reads first (rank, absent_ranks):
+    // at the end of the struct they cost the flag algorithms a line more.
+    assert!(offset_of!(LaunchArgs, call_tag) == 160);
+    assert!(offset_of!(LaunchArgs, mismatched_ranks) == 164);
+    assert!(offset_of!(LaunchArgs, host_error) == 168);
+    assert!(offset_of!(LaunchArgs, landing_part) == 176);
+    assert!(offset_of!(LaunchArgs, landing_offset) == 184);
+    assert!(offset_of!(LaunchArgs, own_inputs) == 192);
     // A push_two_stage part round-trips through `landing_part`.
     let l = PushTwoStagePart::for_capacity(1000, 3);
     assert!(PushTwoStagePart::from_part_bytes(l.bytes()).half == l.half);
