@@ -12,8 +12,8 @@
 //! // Only the entries of one family (one world size, rank mode and dtype):
 //! // a valid PTX module of its own that JIT-compiles in a fraction of the time.
 //! assert!(module.family_ptx(entry.family()).contains(&format!(".entry {}(", entry.name())));
-//! // Launch `entry.name()` from `module.ptx()` with one `LaunchArgs` (248 bytes) by value.
-//! assert_eq!(ptx::PARAM_BYTES, 248);
+//! // Launch `entry.name()` from `module.ptx()` with one `LaunchArgs` (256 bytes) by value.
+//! assert_eq!(ptx::PARAM_BYTES, 256);
 //! ```
 
 use crate::abi::{Algorithm, Dtype, LaunchArgs, NormArgs, MAX_RANKS};
