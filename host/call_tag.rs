@@ -119,9 +119,12 @@ impl TagBook {
     pub(crate) fn new() -> Self {
         TagBook(std::sync::Mutex::new(vec![None; 256]))
     }
-    pub(crate) fn note(&self, c: CallDesc) {
+    /// Notes `c` as the last call with its tag, and returns the tag.
+    pub(crate) fn note(&self, c: CallDesc) -> u32 {
+        let tag = c.tag();
         let mut b = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        b[c.tag() as usize] = Some(c);
+        b[tag as usize] = Some(c);
+        tag
     }
     pub(crate) fn named(&self, tag: u8) -> TaggedCall {
         let b = self.0.lock().unwrap_or_else(|p| p.into_inner());

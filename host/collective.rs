@@ -26,7 +26,7 @@ use crate::device::barrier::next_epoch;
 use crate::driver::{self, DeviceAlloc, HostMailbox, Kernels, PlainData as _};
 use crate::element::DeviceElement;
 use crate::error::{Context as _, Error, Result};
-use crate::launch::{launch_step, Ranks, Target};
+use crate::launch::{launch_step, Faults, Ranks, Target};
 use crate::ll;
 use crate::plan::{AlgoChoice, Config, Inputs, Link, Plan, Request, Step};
 use crate::registered::RegisteredBuffers;
@@ -372,8 +372,9 @@ impl Collective {
 
     /// Reads this process's error records; the first error poisons the group.
     fn read_records(&self) -> Result<()> {
+        let ll = self.ll_zone();
         for (rank, b) in &self.own {
-            read_error_record(*rank, &b.signal, self.ll_zone(), &self.tags)
+            read_error_record(*rank, &b.signal, ll, &self.tags)
                 .inspect_err(|e| self.health.poison(e))?;
         }
         Ok(())
@@ -484,7 +485,7 @@ impl Collective {
                         member.staged_table.ptr(),
                         outputs,
                         direct.then_some(inputs),
-                        0,
+                        Faults::default(),
                     )?
                 };
             }
@@ -533,7 +534,17 @@ impl Collective {
         for step in plan.steps() {
             for ((member, stream), &table) in self.members.iter().zip(streams).zip(tables) {
                 // SAFETY: forwarded from the caller.
-                unsafe { self.launch_member(member, stream, &step, table, outputs, None, 0)? };
+                unsafe {
+                    self.launch_member(
+                        member,
+                        stream,
+                        &step,
+                        table,
+                        outputs,
+                        None,
+                        Faults::default(),
+                    )?
+                };
             }
         }
         Ok(plan.algorithm)
@@ -553,9 +564,9 @@ impl Collective {
         table: u64,
         outputs: &[u64; MAX_RANKS],
         own_inputs: Option<&[u64; MAX_RANKS]>,
-        absent: u32,
+        faults: Faults,
     ) -> Result<()> {
-        self.tags.note(CallDesc::plain(
+        let call_tag = self.tags.note(CallDesc::plain(
             step.len,
             step.entry.dtype,
             step.entry.algorithm,
@@ -564,7 +575,8 @@ impl Collective {
             table,
             signals: &self.signals,
             outputs,
-            absent,
+            faults,
+            call_tag,
             host_error: member.mailbox.device_ptr(),
             own_inputs,
         };
@@ -611,13 +623,14 @@ impl Collective {
 
     /// Fault injection: a collective of `count` elements (at most what the
     /// staging buffers hold) of `dtype` with `algorithm` over the staging
-    /// buffers, in which the ranks in `absent` (a bit mask) leave at once,
-    /// as dead peers would; results go to each rank's scratch. The present
-    /// ranks record a peer timeout, which [`Collective::check`] reports.
-    pub(crate) fn launch_with_absent_ranks(
+    /// buffers with `faults`: absent ranks leave at once, as dead peers
+    /// would, mismatched ranks carry another call's tag; results go to each
+    /// rank's scratch. The others record an error, which
+    /// [`Collective::check`] reports.
+    pub(crate) fn launch_with_faults(
         &self,
         streams: &[&Arc<CudaStream>],
-        absent: u32,
+        faults: Faults,
         dtype: Dtype,
         algorithm: Algorithm,
         count: usize,
@@ -646,7 +659,7 @@ impl Collective {
                         member.staged_table.ptr(),
                         &outputs,
                         None,
-                        absent,
+                        faults,
                     )?
                 };
             }

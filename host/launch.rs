@@ -3,7 +3,6 @@
 //! builds `LaunchArgs`.
 
 use crate::abi::{LaunchArgs, MAX_RANKS};
-use crate::call_tag::CallDesc;
 use crate::driver::Kernels;
 use crate::error::{Error, Result};
 use crate::plan::{Config, Step};
@@ -26,8 +25,10 @@ pub(crate) struct Target<'a> {
     pub table: u64,
     pub signals: &'a [u64; MAX_RANKS],
     pub outputs: &'a [u64; MAX_RANKS],
-    /// Fault injection ([`Faults`]; 0 normally).
-    pub absent: u32,
+    /// Fault injection (none normally).
+    pub faults: Faults,
+    /// The call's tag (`LaunchArgs::call_tag`, [`crate::call_tag`]).
+    pub call_tag: u32,
     /// Device address of the launching member's host error mailbox.
     pub host_error: u64,
     /// The ranks' own inputs at the start of the message, read in place
@@ -35,17 +36,29 @@ pub(crate) struct Target<'a> {
     pub own_inputs: Option<&'a [u64; MAX_RANKS]>,
 }
 
-/// Fault injection of one launch, as [`Target::absent`] carries it: bits
-/// 0..8 the ranks that leave at once (`LaunchArgs::absent_ranks`), bits
-/// 16..24 the ranks that carry another call's tag
-/// (`LaunchArgs::mismatched_ranks`).
-pub(crate) struct Faults;
+/// Fault injection of one launch (bit r: rank r; ranks past
+/// [`MAX_RANKS`] are dropped).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Faults {
+    /// Ranks that leave at once (`LaunchArgs::absent_ranks`).
+    pub absent: u32,
+    /// Ranks that carry another call's tag (`LaunchArgs::mismatched_ranks`).
+    pub mismatched: u32,
+}
 
 impl Faults {
-    pub(crate) const MISMATCH_SHIFT: u32 = 16;
-    /// The two masks of an encoded `faults` word: (absent, mismatched).
-    pub(crate) const fn split(faults: u32) -> (u32, u32) {
-        (faults & 0xff, (faults >> Self::MISMATCH_SHIFT) & 0xff)
+    const RANKS: u32 = (1 << MAX_RANKS) - 1;
+    pub(crate) const fn absent(ranks: u32) -> Self {
+        Faults {
+            absent: ranks & Self::RANKS,
+            mismatched: 0,
+        }
+    }
+    pub(crate) const fn mismatched(ranks: u32) -> Self {
+        Faults {
+            absent: 0,
+            mismatched: ranks & Self::RANKS,
+        }
     }
 }
 
@@ -93,9 +106,9 @@ pub(crate) unsafe fn launch_step(
         count: step.len as u64,
         timeout_ns: config.timeout_ns(),
         rank,
-        absent_ranks: Faults::split(target.absent).0,
-        mismatched_ranks: Faults::split(target.absent).1,
-        call_tag: CallDesc::plain(step.len, step.entry.dtype, step.entry.algorithm).tag(),
+        absent_ranks: target.faults.absent,
+        mismatched_ranks: target.faults.mismatched,
+        call_tag: target.call_tag,
         host_error: target.host_error,
         landing_part,
         landing_offset,

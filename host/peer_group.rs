@@ -559,7 +559,7 @@ impl PeerGroup {
     ) -> Result<()> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         self.core
-            .launch_with_absent_ranks(&s, absent_ranks & 0xff, dtype, algorithm, count)
+            .launch_with_faults(&s, Faults::absent(absent_ranks), dtype, algorithm, count)
     }
 
     /// Fault injection for your own tests: one collective in which the
@@ -576,9 +576,9 @@ impl PeerGroup {
         count: usize,
     ) -> Result<()> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
+        let faults = Faults::mismatched(mismatched_ranks);
         self.core
-            .launch_with_absent_ranks(&s, faults, dtype, algorithm, count)
+            .launch_with_faults(&s, faults, dtype, algorithm, count)
     }
 
     /// The fused call's [`Self::launch_with_mismatched_ranks`], as
@@ -593,9 +593,9 @@ impl PeerGroup {
         hidden: usize,
     ) -> Result<Algorithm> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
+        let faults = Faults::mismatched(mismatched_ranks);
         self.core
-            .add_rmsnorm_with_absent_ranks(&s, faults, dtype, rows, hidden, algorithm)
+            .add_rmsnorm_with_faults(&s, faults, dtype, rows, hidden, algorithm)
     }
 
     /// Fault injection for the fused call, as
@@ -618,9 +618,9 @@ impl PeerGroup {
         hidden: usize,
     ) -> Result<Algorithm> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        self.core.add_rmsnorm_with_absent_ranks(
+        self.core.add_rmsnorm_with_faults(
             &s,
-            absent_ranks & 0xff,
+            Faults::absent(absent_ranks),
             dtype,
             rows,
             hidden,

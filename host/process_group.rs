@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::exchange::Exchange;
 use crate::fused::{norm_shape, NormInputs, NormPtrs};
 use crate::ipc;
-use crate::launch::Ranks;
+use crate::launch::{Faults, Ranks};
 use crate::peer_tables::PeerTables;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::thresholds::{self, Thresholds};
@@ -714,8 +714,9 @@ impl ProcessGroup {
         algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
+        let faults = Faults::absent(absent_ranks);
         self.core
-            .launch_with_absent_ranks(&[stream], absent_ranks, dtype, algorithm, count)
+            .launch_with_faults(&[stream], faults, dtype, algorithm, count)
     }
 }
 

@@ -7,7 +7,7 @@ use crate::checks::{by_rank, check_count, check_world, count_of};
 use crate::collective::{settle, Collective, Member, RankBuffers};
 use crate::driver::{DeviceAlloc, Kernels};
 use crate::element::DeviceElement;
-use crate::error::{Error, Result};
+use crate::error::{Context as _, Error, Result};
 use crate::fused::{NormBuffers, NormInputs};
 use crate::launch::{Faults, Ranks};
 use crate::plan::{AlgoChoice, Config, Link};
@@ -432,21 +432,16 @@ impl VirtualGroup {
         algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
-        self.core.launch_with_absent_ranks(
+        self.core.launch_with_faults(
             &[stream],
-            absent_ranks & 0xff,
+            Faults::absent(absent_ranks),
             dtype,
             algorithm,
             count,
         )?;
-        stream.synchronize().map_err(|source| Error::Driver {
-            during: "cuStreamSynchronize",
-            source,
-        })
+        stream.synchronize().during("cuStreamSynchronize")
     }
-}
 
-impl VirtualGroup {
     /// Fault injection for the fused call, as [`VirtualGroup::launch_with_absent_ranks`]
     /// for the allreduce: one fused allreduce + residual add + RMSNorm of
     /// `rows x hidden` elements of `dtype` with `algorithm` over the
@@ -464,23 +459,10 @@ impl VirtualGroup {
         rows: usize,
         hidden: usize,
     ) -> Result<Algorithm> {
-        let used = self.core.add_rmsnorm_with_absent_ranks(
-            &[stream],
-            absent_ranks & 0xff,
-            dtype,
-            rows,
-            hidden,
-            algorithm,
-        )?;
-        stream.synchronize().map_err(|source| Error::Driver {
-            during: "cuStreamSynchronize",
-            source,
-        })?;
-        Ok(used)
+        let faults = Faults::absent(absent_ranks);
+        self.add_rmsnorm_with_faults(stream, faults, dtype, algorithm, rows, hidden)
     }
-}
 
-impl VirtualGroup {
     /// Fault injection for your own tests: one collective in which the
     /// ranks in `mismatched_ranks` (bit r: rank r) carry another call's
     /// tag, as ranks whose call differs from the others' would; the ranks
@@ -496,9 +478,9 @@ impl VirtualGroup {
         algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
-        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
+        let faults = Faults::mismatched(mismatched_ranks);
         self.core
-            .launch_with_absent_ranks(&[stream], faults, dtype, algorithm, count)
+            .launch_with_faults(&[stream], faults, dtype, algorithm, count)
     }
 
     /// The fused call's [`Self::launch_with_mismatched_ranks`], as
@@ -512,19 +494,24 @@ impl VirtualGroup {
         rows: usize,
         hidden: usize,
     ) -> Result<Algorithm> {
-        let faults = (mismatched_ranks & 0xff) << Faults::MISMATCH_SHIFT;
-        let used = self.core.add_rmsnorm_with_absent_ranks(
-            &[stream],
-            faults,
-            dtype,
-            rows,
-            hidden,
-            algorithm,
-        )?;
-        stream.synchronize().map_err(|source| Error::Driver {
-            during: "cuStreamSynchronize",
-            source,
-        })?;
+        let faults = Faults::mismatched(mismatched_ranks);
+        self.add_rmsnorm_with_faults(stream, faults, dtype, algorithm, rows, hidden)
+    }
+
+    /// The fused fault injection of both kinds, then a wait for the stream.
+    fn add_rmsnorm_with_faults(
+        &self,
+        stream: &Arc<CudaStream>,
+        faults: Faults,
+        dtype: Dtype,
+        algorithm: AlgoChoice,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<Algorithm> {
+        let used =
+            self.core
+                .add_rmsnorm_with_faults(&[stream], faults, dtype, rows, hidden, algorithm)?;
+        stream.synchronize().during("cuStreamSynchronize")?;
         Ok(used)
     }
 }

@@ -41,19 +41,32 @@ impl Collective {
         choice: AlgoChoice,
     ) -> Result<Algorithm> {
         // SAFETY: forwarded caller contract.
-        unsafe { self.add_rmsnorm_absent(streams, dtype, rows, hidden, eps, p, inputs, choice, 0) }
+        unsafe {
+            self.add_rmsnorm_faults(
+                streams,
+                dtype,
+                rows,
+                hidden,
+                eps,
+                p,
+                inputs,
+                choice,
+                Faults::default(),
+            )
+        }
     }
 
     /// Fault injection: a fused call of `rows x hidden` elements of `dtype`
     /// with `choice` over this group's own buffers (the staging buffers as
-    /// inputs and gamma, the scratch as residual and both outputs), in
-    /// which the ranks in `absent` (a bit mask) leave at once, as dead
-    /// peers would. The present ranks record a peer timeout, which
-    /// [`Collective::check`] reports; the values are meaningless.
-    pub(crate) fn add_rmsnorm_with_absent_ranks(
+    /// inputs and gamma, the scratch as residual and both outputs) with
+    /// `faults`: absent ranks leave at once, as dead peers would,
+    /// mismatched ranks carry another call's tag. The others record an
+    /// error, which [`Collective::check`] reports; the values are
+    /// meaningless.
+    pub(crate) fn add_rmsnorm_with_faults(
         &self,
         streams: &[&Arc<CudaStream>],
-        absent: u32,
+        faults: Faults,
         dtype: Dtype,
         rows: usize,
         hidden: usize,
@@ -78,7 +91,7 @@ impl Collective {
         // elements (checked) on each rank's device, and live as long as
         // the group (whose drop waits for the devices).
         unsafe {
-            self.add_rmsnorm_absent(
+            self.add_rmsnorm_faults(
                 streams,
                 dtype,
                 rows,
@@ -87,18 +100,18 @@ impl Collective {
                 &p,
                 NormInputs::Staged,
                 choice,
-                absent,
+                faults,
             )
         }
     }
 
-    /// [`Collective::add_rmsnorm`], with the ranks in `absent` leaving at
-    /// once (fault injection; 0 normally).
+    /// [`Collective::add_rmsnorm`] with `faults` (fault injection; none
+    /// normally).
     ///
     /// # Safety
     /// As for [`Collective::add_rmsnorm`].
     #[allow(clippy::too_many_arguments)]
-    unsafe fn add_rmsnorm_absent(
+    unsafe fn add_rmsnorm_faults(
         &self,
         streams: &[&Arc<CudaStream>],
         dtype: Dtype,
@@ -108,7 +121,7 @@ impl Collective {
         p: &NormPtrs,
         inputs: NormInputs<'_>,
         choice: AlgoChoice,
-        absent: u32,
+        faults: Faults,
     ) -> Result<Algorithm> {
         // The typed front ends check it in `norm_shape`; raw calls here.
         if !eps.is_finite() || eps < 0.0 {
@@ -230,8 +243,9 @@ impl Collective {
                 }
                 let (landing_offset, landing_part) =
                     self.config.landing(plan.algorithm, self.world);
-                let call = CallDesc::fused(n, hidden, dtype, plan.algorithm);
-                self.tags.note(call);
+                let call_tag = self
+                    .tags
+                    .note(CallDesc::fused(n, hidden, dtype, plan.algorithm));
                 let mut args = NormArgs {
                     base: LaunchArgs {
                         table,
@@ -239,9 +253,9 @@ impl Collective {
                         count: (n * hidden) as u64,
                         timeout_ns: self.config.timeout_ns(),
                         rank,
-                        absent_ranks: Faults::split(absent).0,
-                        mismatched_ranks: Faults::split(absent).1,
-                        call_tag: call.tag(),
+                        absent_ranks: faults.absent,
+                        mismatched_ranks: faults.mismatched,
+                        call_tag,
                         host_error: member.mailbox.device_ptr(),
                         landing_part,
                         landing_offset,
