@@ -125,3 +125,39 @@ pub(crate) unsafe fn launch_step(
     // SAFETY: forwarded from the caller; the entry and grid come from the plan.
     unsafe { kernels.launch(stream, step.entry, (step.blocks, grid_y), threads, &args) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn faults_keep_each_kind_apart_and_drop_ranks_past_the_group_limit() {
+        // Bits past MAX_RANKS never reach the kernel, and one kind never
+        // sets the other (a ProcessGroup once passed its mask unmasked, so
+        // bit 16 of "absent" would have read as a mismatched rank 0).
+        let a = Faults::absent(0x1_0105);
+        assert_eq!(
+            a,
+            Faults {
+                absent: 0x05,
+                mismatched: 0
+            }
+        );
+        let m = Faults::mismatched(0xffff_ff82);
+        assert_eq!(
+            m,
+            Faults {
+                absent: 0,
+                mismatched: 0x82
+            }
+        );
+        assert_eq!(
+            Faults::default(),
+            Faults {
+                absent: 0,
+                mismatched: 0
+            }
+        );
+        assert_eq!(Faults::absent(u32::MAX).absent, (1 << MAX_RANKS) - 1);
+    }
+}
