@@ -105,9 +105,10 @@ fn other_call(v: u32, epoch: u32, mine: u32) -> Option<u8> {
 /// flag algorithm), or its first LL word (push_ll). Otherwise the peer is
 /// dead or late: [`Error::PeerTimeout`].
 fn read_error_record(rank: usize, signal: &DeviceAlloc, ll: LlZone, book: &TagBook) -> Result<()> {
-    let mut sig = [Signal::zeroed()];
-    signal.read(&mut sig)?;
-    let rec: ErrorRecord = sig[0].error;
+    // The record alone: the flags behind it are read only for a timeout.
+    let mut rec = [ErrorRecord::default()];
+    signal.read_at(Signal::ERROR_OFFSET, &mut rec)?;
+    let rec = rec[0];
     let corrupted = || Error::UnknownKernelError {
         rank,
         code: rec.code,
@@ -115,34 +116,13 @@ fn read_error_record(rank: usize, signal: &DeviceAlloc, ll: LlZone, book: &TagBo
     match rec.code {
         error_code::NONE => Ok(()),
         error_code::PEER_TIMEOUT => {
-            let barrier = BarrierKind::from_u32(rec.barrier & 0xff).ok_or_else(corrupted)?;
-            let mine = (rec.barrier >> 8) & 0xff;
-            let (e, p, b) = (rec.epoch, rec.peer as usize, rec.block as usize);
+            let barrier = BarrierKind::from_u32(rec.barrier_kind()).ok_or_else(corrupted)?;
+            let (p, b) = (rec.peer as usize, rec.block as usize);
             if p >= MAX_RANKS || b >= MAX_BLOCKS {
                 return Err(corrupted());
             }
-            let parity = (e & 1) as usize;
-            let s = &sig[0];
-            let flags = |kind: BarrierKind, block: usize| match kind {
-                BarrierKind::Start => s.start[parity][block][p],
-                BarrierKind::Mid => s.mid[parity][block][p],
-                BarrierKind::End => s.end[parity][block][p],
-                BarrierKind::Back => s.back[parity][block][p],
-                BarrierKind::Relay => s.relay[parity][block][p],
-            };
-            let mut words = vec![
-                flags(barrier, b),
-                flags(BarrierKind::Start, b),
-                flags(BarrierKind::Start, 0),
-            ];
-            if p < ll.world && ll.part != 0 {
-                // The high half of the first word of the peer's part of
-                // this collective's slot (`crate::ll::slot`).
-                let at = ll.offset + ll::slot(e, ll.world as u64, p as u64, ll.part);
-                let mut w = [0u64];
-                signal.read_at(at as usize, &mut w)?;
-                words.push((w[0] >> 32) as u32);
-            }
+            let (e, mine) = (rec.epoch, rec.waiter_tag());
+            let words = peer_words(signal, barrier, e, b, p, ll)?;
             match words.into_iter().find_map(|v| other_call(v, e, mine)) {
                 Some(theirs) => Err(Error::CallMismatch {
                     rank: rec.rank as usize,
@@ -170,6 +150,35 @@ fn read_error_record(rank: usize, signal: &DeviceAlloc, ll: LlZone, book: &TagBo
         }),
         _ => Err(corrupted()),
     }
+}
+
+/// Peer `p`'s words of collective `epoch` in this rank's signal, where a
+/// wait of block `b` at `barrier` timed out: the awaited flag, its `Start`
+/// flags of block `b` and of block 0, and (push_ll) the high half of the
+/// first word of its part of the collective's slot (`crate::ll::slot`).
+fn peer_words(
+    signal: &DeviceAlloc,
+    barrier: BarrierKind,
+    epoch: u32,
+    b: usize,
+    p: usize,
+    ll: LlZone,
+) -> Result<Vec<u32>> {
+    let mut sig = [Signal::zeroed()];
+    signal.read(&mut sig)?;
+    let parity = (epoch & 1) as usize;
+    let mut words = vec![
+        sig[0].flag(barrier, parity, b, p),
+        sig[0].flag(BarrierKind::Start, parity, b, p),
+        sig[0].flag(BarrierKind::Start, parity, 0, p),
+    ];
+    if p < ll.world && ll.part != 0 {
+        let at = ll.offset + ll::slot(epoch, ll.world as u64, p as u64, ll.part);
+        let mut w = [0u64];
+        signal.read_at(at as usize, &mut w)?;
+        words.push((w[0] >> 32) as u32);
+    }
+    Ok(words)
 }
 
 /// Copies elements `[offset, offset + len)` of `src` to the start of a

@@ -263,13 +263,7 @@ impl DeviceAlloc {
     }
     /// Reads the start of the allocation into `dst` (synchronous).
     pub fn read<T: PlainData>(&self, dst: &mut [T]) -> Result<()> {
-        assert!(
-            std::mem::size_of_val(dst) <= self.bytes.max(256),
-            "read past the end of a DeviceAlloc"
-        );
-        self.ctx.bind_to_thread().during("cuCtxSetCurrent")?;
-        // SAFETY: bounds checked above; every bit pattern is a valid T (PlainData).
-        unsafe { result::memcpy_dtoh_sync(dst, self.ptr) }.during("cuMemcpyDtoH")
+        self.read_at(0, dst)
     }
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx

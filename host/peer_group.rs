@@ -557,9 +557,13 @@ impl PeerGroup {
         algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
-        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        self.core
-            .launch_with_faults(&s, Faults::absent(absent_ranks), dtype, algorithm, count)
+        self.launch_with_faults(
+            streams,
+            Faults::absent(absent_ranks),
+            dtype,
+            algorithm,
+            count,
+        )
     }
 
     /// Fault injection for your own tests: one collective in which the
@@ -575,10 +579,8 @@ impl PeerGroup {
         algorithm: Algorithm,
         count: usize,
     ) -> Result<()> {
-        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         let faults = Faults::mismatched(mismatched_ranks);
-        self.core
-            .launch_with_faults(&s, faults, dtype, algorithm, count)
+        self.launch_with_faults(streams, faults, dtype, algorithm, count)
     }
 
     /// The fused call's [`Self::launch_with_mismatched_ranks`], as
@@ -592,10 +594,8 @@ impl PeerGroup {
         rows: usize,
         hidden: usize,
     ) -> Result<Algorithm> {
-        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
         let faults = Faults::mismatched(mismatched_ranks);
-        self.core
-            .add_rmsnorm_with_faults(&s, faults, dtype, rows, hidden, algorithm)
+        self.add_rmsnorm_with_faults(streams, faults, dtype, algorithm, rows, hidden)
     }
 
     /// Fault injection for the fused call, as
@@ -617,14 +617,36 @@ impl PeerGroup {
         rows: usize,
         hidden: usize,
     ) -> Result<Algorithm> {
+        let faults = Faults::absent(absent_ranks);
+        self.add_rmsnorm_with_faults(streams, faults, dtype, algorithm, rows, hidden)
+    }
+
+    /// The fault injection of both kinds, on one stream per member.
+    fn launch_with_faults(
+        &self,
+        streams: &[Arc<CudaStream>],
+        faults: Faults,
+        dtype: Dtype,
+        algorithm: Algorithm,
+        count: usize,
+    ) -> Result<()> {
         let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
-        self.core.add_rmsnorm_with_faults(
-            &s,
-            Faults::absent(absent_ranks),
-            dtype,
-            rows,
-            hidden,
-            algorithm,
-        )
+        self.core
+            .launch_with_faults(&s, faults, dtype, algorithm, count)
+    }
+
+    /// The fused fault injection of both kinds, on one stream per member.
+    fn add_rmsnorm_with_faults(
+        &self,
+        streams: &[Arc<CudaStream>],
+        faults: Faults,
+        dtype: Dtype,
+        algorithm: AlgoChoice,
+        rows: usize,
+        hidden: usize,
+    ) -> Result<Algorithm> {
+        let s: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        self.core
+            .add_rmsnorm_with_faults(&s, faults, dtype, rows, hidden, algorithm)
     }
 }

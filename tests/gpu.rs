@@ -1902,6 +1902,34 @@ fn wait_rank(mut c: std::process::Child, deadline: Instant) -> (bool, String) {
     }
 }
 
+/// Starts rank r of `mode` on GPU `gpus[r]` for every r, waits for all of
+/// them until `timeout` from now, removes `dir`, and fails naming every
+/// rank that failed; returns what each rank printed, in rank order.
+fn run_ranks(mode: &str, gpus: &[usize], dir: &std::path::Path, timeout: Duration) -> Vec<String> {
+    let world = gpus.len();
+    let children: Vec<_> = gpus
+        .iter()
+        .enumerate()
+        .map(|(r, &gpu)| spawn_rank(mode, r, world, gpu, dir))
+        .collect();
+    let deadline = Instant::now() + timeout;
+    let mut texts = Vec::new();
+    let mut failures = Vec::new();
+    for (r, c) in children.into_iter().enumerate() {
+        match wait_rank(c, deadline) {
+            (true, text) => texts.push(text.trim().to_string()),
+            (false, text) => failures.push(format!("rank {r}: {text}")),
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    assert!(
+        failures.is_empty(),
+        "{mode}: ranks failed:\n{}",
+        failures.join("\n")
+    );
+    texts
+}
+
 fn ipc_dir(what: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("p2p-ar-{what}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -1916,30 +1944,11 @@ fn ipc_processes(_g: &Gpu) {
     for world in [2usize, 3] {
         let dir = ipc_dir(&format!("ipc-{world}"));
         let gpus: Vec<usize> = (0..world).map(|r| r % n).collect();
-        let children: Vec<_> = gpus
-            .iter()
-            .enumerate()
-            .map(|(r, &gpu)| spawn_rank("sweep", r, world, gpu, &dir))
-            .collect();
         let t0 = Instant::now();
-        let deadline = t0 + Duration::from_secs(180);
-        let mut failures = Vec::new();
-        for (r, c) in children.into_iter().enumerate() {
-            match wait_rank(c, deadline) {
-                (true, text) => println!(
-                    "  world {world} rank {r} (GPU {}): {}",
-                    gpus[r],
-                    text.trim()
-                ),
-                (false, text) => failures.push(format!("world {world} rank {r}: {text}")),
-            }
+        let texts = run_ranks("sweep", &gpus, &dir, Duration::from_secs(180));
+        for (r, text) in texts.iter().enumerate() {
+            println!("  world {world} rank {r} (GPU {}): {text}", gpus[r]);
         }
-        let _ = std::fs::remove_dir_all(&dir);
-        assert!(
-            failures.is_empty(),
-            "IPC ranks failed:\n{}",
-            failures.join("\n")
-        );
         println!(
             "  {world} processes on GPUs {gpus:?} completed allreduces over CUDA IPC in {:.2} s",
             t0.elapsed().as_secs_f64()
@@ -3868,19 +3877,10 @@ fn fused_auto_beyond_scratch(g: &Gpu) {
     }
     // Two processes on GPU 0.
     let dir = ipc_dir("auto-fused");
-    let children: Vec<_> = (0..2)
-        .map(|r| spawn_rank("auto_fused", r, 2, 0, &dir))
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut failures = Vec::new();
-    for (r, ch) in children.into_iter().enumerate() {
-        match wait_rank(ch, deadline) {
-            (true, text) => println!("  ProcessGroup rank {r}: {}", text.trim()),
-            (false, text) => failures.push(format!("rank {r}: {text}")),
-        }
+    let texts = run_ranks("auto_fused", &[0, 0], &dir, Duration::from_secs(120));
+    for (r, text) in texts.iter().enumerate() {
+        println!("  ProcessGroup rank {r}: {text}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
     println!(
         "  64 x 4096 f32 zero-copy, 64 KiB scratch, table says two-stage: Auto ran one-stage bit-exact on \
          VirtualGroup, PeerGroup {places:?} and a ProcessGroup of two processes on GPU 0; explicit \

@@ -92,6 +92,25 @@ pub struct ErrorRecord {
     pub _reserved: [u32; 2],
 }
 
+impl ErrorRecord {
+    /// The `barrier` word of a wait at `kind` that timed out awaiting
+    /// `own_word` ([`tagged`] of `epoch`): the kind in bits 0..8, the
+    /// waiting rank's call tag in bits 8..16.
+    #[inline(always)]
+    pub const fn timed_out_at(kind: BarrierKind, own_word: u32, epoch: u32) -> u32 {
+        kind as u32 | (own_word ^ epoch) >> 16
+    }
+    /// The raw [`BarrierKind`] of the record (bits 0..8 of `barrier`).
+    pub const fn barrier_kind(&self) -> u32 {
+        self.barrier & 0xff
+    }
+    /// The waiting rank's call tag of a `PEER_TIMEOUT` record (bits 8..16
+    /// of `barrier`, [`Self::timed_out_at`]).
+    pub const fn waiter_tag(&self) -> u32 {
+        (self.barrier >> 8) & 0xff
+    }
+}
+
 /// One rank's signal buffer, in memory every peer can map.
 ///
 /// `start[e % 2][b][p]` in rank r's signal is written by peer p's block b
@@ -128,6 +147,19 @@ impl Signal {
             BarrierKind::Relay => 4,
         };
         (((set * 2 + parity) * MAX_BLOCKS + block) * MAX_RANKS + from) * 4
+    }
+    /// The flag that `from` wrote into this signal for block `block` at
+    /// barrier `kind` in collectives of epoch parity `parity` (the word at
+    /// [`Self::flag_offset`]).
+    pub const fn flag(&self, kind: BarrierKind, parity: usize, block: usize, from: usize) -> u32 {
+        let set = match kind {
+            BarrierKind::Start => &self.start,
+            BarrierKind::Mid => &self.mid,
+            BarrierKind::End => &self.end,
+            BarrierKind::Back => &self.back,
+            BarrierKind::Relay => &self.relay,
+        };
+        set[parity][block][from]
     }
     /// Flag sets, one per [`BarrierKind`].
     pub const FLAG_SETS: usize = 5;
@@ -523,6 +555,84 @@ impl Algorithm {
             Algorithm::PushLl => "push_ll",
             Algorithm::PushTwoStage => "push_two_stage",
             Algorithm::PushIslands => "push_islands",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeout_record_keeps_the_kind_and_the_waiters_tag_apart() {
+        let kinds = [
+            BarrierKind::Start,
+            BarrierKind::Mid,
+            BarrierKind::End,
+            BarrierKind::Back,
+            BarrierKind::Relay,
+        ];
+        for kind in kinds {
+            for (epoch, tag, flipped) in [
+                (1u32, 0u32, 0u32),
+                (0x00ab_cdef, 0x5c, 0b100),
+                (0x00ff_fffe, 0xff, 0),
+            ] {
+                let a = LaunchArgs {
+                    call_tag: tag,
+                    mismatched_ranks: flipped,
+                    ..Default::default()
+                };
+                let own = tagged(epoch, &a, 2);
+                let rec = ErrorRecord {
+                    barrier: ErrorRecord::timed_out_at(kind, own, epoch),
+                    ..Default::default()
+                };
+                assert_eq!(rec.barrier_kind(), kind as u32);
+                let want = if flipped != 0 {
+                    tag ^ MISMATCH_FLIP
+                } else {
+                    tag
+                };
+                assert_eq!(rec.waiter_tag(), want);
+            }
+        }
+    }
+
+    #[test]
+    fn the_flag_read_is_the_word_at_its_offset() {
+        let mut s = Signal {
+            start: [[[0; MAX_RANKS]; MAX_BLOCKS]; 2],
+            mid: [[[0; MAX_RANKS]; MAX_BLOCKS]; 2],
+            end: [[[0; MAX_RANKS]; MAX_BLOCKS]; 2],
+            back: [[[0; MAX_RANKS]; MAX_BLOCKS]; 2],
+            relay: [[[0; MAX_RANKS]; MAX_BLOCKS]; 2],
+            epoch: [0; MAX_BLOCKS],
+            error: ErrorRecord::default(),
+            _pad: [0; 440],
+        };
+        // Every flag word holds its own byte offset.
+        let words = core::mem::size_of::<Signal>() / 4;
+        let base = &mut s as *mut Signal as *mut u32;
+        for i in 0..Signal::EPOCH_OFFSET / 4 {
+            assert!(i < words);
+            // SAFETY: i indexes a u32 inside `s` (a repr(C) struct of u32s).
+            unsafe { *base.add(i) = (i * 4) as u32 };
+        }
+        let kinds = [
+            BarrierKind::Start,
+            BarrierKind::Mid,
+            BarrierKind::End,
+            BarrierKind::Back,
+            BarrierKind::Relay,
+        ];
+        for kind in kinds {
+            for parity in 0..2 {
+                for (block, from) in [(0, 0), (3, 5), (MAX_BLOCKS - 1, MAX_RANKS - 1)] {
+                    let at = Signal::flag_offset(kind, parity, block, from);
+                    assert_eq!(s.flag(kind, parity, block, from) as usize, at);
+                }
+            }
         }
     }
 }

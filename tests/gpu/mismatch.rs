@@ -298,18 +298,7 @@ pub(super) fn child(rank: usize) -> Result<String, String> {
 pub(super) fn processes(_g: &Gpu) {
     let n = driver::device_count().expect("device count");
     let dir = ipc_dir("mismatch");
-    let gpus = [0, 1 % n];
-    let children: Vec<_> = (0..2)
-        .map(|r| spawn_rank("mismatch", r, 2, gpus[r], &dir))
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut failures = Vec::new();
-    for (r, c) in children.into_iter().enumerate() {
-        match wait_rank(c, deadline) {
-            (true, text) => println!("  {}", text.trim()),
-            (false, text) => failures.push(format!("rank {r}: {text}")),
-        }
+    for text in run_ranks("mismatch", &[0, 1 % n], &dir, Duration::from_secs(120)) {
+        println!("  {text}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -103,7 +103,7 @@ unsafe fn block_barrier_among<const N: usize>(
                     block,
                     tid,
                     epoch,
-                    kind as u32 | (tag ^ epoch) >> 16,
+                    ErrorRecord::timed_out_at(kind, tag, epoch),
                 )
             };
             failed = true;

@@ -330,7 +330,7 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
                                 block,
                                 r as u32,
                                 epoch,
-                                BarrierKind::Start as u32 | (tag ^ epoch) >> 16,
+                                ErrorRecord::timed_out_at(BarrierKind::Start, tag, epoch),
                             )
                         };
                         return;

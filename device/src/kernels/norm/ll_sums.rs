@@ -100,7 +100,7 @@ impl<const N: usize> LlSums<N> {
                             self.block,
                             r as u32,
                             self.epoch,
-                            BarrierKind::Start as u32 | (self.tag ^ self.epoch) >> 16,
+                            ErrorRecord::timed_out_at(BarrierKind::Start, self.tag, self.epoch),
                         )
                     };
                 }
