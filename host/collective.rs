@@ -88,11 +88,24 @@ pub(crate) struct LlZone {
     pub(crate) world: usize,
 }
 
-/// The tag of another call in word `v` of collective `epoch` (its low 24
-/// bits are the epoch's, its top byte not `mine`), if it holds one.
-fn other_call(v: u32, epoch: u32, mine: u32) -> Option<u8> {
-    let x = v ^ epoch;
-    (v != 0 && x & 0x00ff_ffff == 0 && x >> 24 != mine).then_some((x >> 24) as u8)
+/// A word a peer left for collective `epoch` in this rank's signal, as
+/// the look at a timed-out wait reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PeerWord {
+    /// A flag (`abi::flag_word`: epoch low, tag high).
+    Flag(u64),
+    /// The high halves of an LL pack's four words (`abi::ll_highs`).
+    Ll([u32; 4]),
+}
+
+/// The tag of another call in word `w` of collective `epoch` (a word of
+/// that epoch whose tag is not `mine`), if it holds one.
+fn other_call(w: PeerWord, epoch: u32, mine: u32) -> Option<u32> {
+    let theirs = match w {
+        PeerWord::Flag(v) => (v as u32 == epoch).then_some((v >> 32) as u32),
+        PeerWord::Ll(highs) => crate::abi::ll_tag(highs, epoch),
+    }?;
+    (theirs != mine).then_some(theirs)
 }
 
 /// Reads a rank's error record (through the ABI struct) and turns it into
@@ -121,7 +134,7 @@ fn read_error_record(rank: usize, signal: &DeviceAlloc, ll: LlZone, book: &TagBo
             if p >= MAX_RANKS || b >= MAX_BLOCKS {
                 return Err(corrupted());
             }
-            let (e, mine) = (rec.epoch, rec.waiter_tag());
+            let (e, mine) = (rec.epoch, rec.tag);
             let words = peer_words(signal, barrier, e, b, p, ll)?;
             match words.into_iter().find_map(|v| other_call(v, e, mine)) {
                 Some(theirs) => Err(Error::CallMismatch {
@@ -129,7 +142,7 @@ fn read_error_record(rank: usize, signal: &DeviceAlloc, ll: LlZone, book: &TagBo
                     block: rec.block,
                     peer: rec.peer,
                     epoch: e,
-                    mine: book.named(mine as u8),
+                    mine: book.named(mine),
                     theirs: book.named(theirs),
                 }),
                 None => Err(Error::PeerTimeout {
@@ -154,8 +167,8 @@ fn read_error_record(rank: usize, signal: &DeviceAlloc, ll: LlZone, book: &TagBo
 
 /// Peer `p`'s words of collective `epoch` in this rank's signal, where a
 /// wait of block `b` at `barrier` timed out: the awaited flag, its `Start`
-/// flags of block `b` and of block 0, and (push_ll) the high half of the
-/// first word of its part of the collective's slot (`crate::ll::slot`).
+/// flags of block `b` and of block 0, and (push_ll) the high halves of
+/// the first pack of its part of the collective's slot (`crate::ll::slot`).
 fn peer_words(
     signal: &DeviceAlloc,
     barrier: BarrierKind,
@@ -163,20 +176,20 @@ fn peer_words(
     b: usize,
     p: usize,
     ll: LlZone,
-) -> Result<Vec<u32>> {
+) -> Result<Vec<PeerWord>> {
     let mut sig = [Signal::zeroed()];
     signal.read(&mut sig)?;
     let parity = (epoch & 1) as usize;
     let mut words = vec![
-        sig[0].flag(barrier, parity, b, p),
-        sig[0].flag(BarrierKind::Start, parity, b, p),
-        sig[0].flag(BarrierKind::Start, parity, 0, p),
+        PeerWord::Flag(sig[0].flag(barrier, parity, b, p)),
+        PeerWord::Flag(sig[0].flag(BarrierKind::Start, parity, b, p)),
+        PeerWord::Flag(sig[0].flag(BarrierKind::Start, parity, 0, p)),
     ];
     if p < ll.world && ll.part != 0 {
         let at = ll.offset + ll::slot(epoch, ll.world as u64, p as u64, ll.part);
-        let mut w = [0u64];
+        let mut w = [0u64; 4];
         signal.read_at(at as usize, &mut w)?;
-        words.push((w[0] >> 32) as u32);
+        words.push(PeerWord::Ll(ll::highs(&[[w[0], w[1]], [w[2], w[3]]])));
     }
     Ok(words)
 }
@@ -490,6 +503,7 @@ impl Collective {
                     self.launch_member(
                         member,
                         stream,
+                        plan.call(),
                         &step,
                         member.staged_table.ptr(),
                         outputs,
@@ -547,6 +561,7 @@ impl Collective {
                     self.launch_member(
                         member,
                         stream,
+                        plan.call(),
                         &step,
                         table,
                         outputs,
@@ -559,7 +574,8 @@ impl Collective {
         Ok(plan.algorithm)
     }
 
-    /// Launches `step` for `member` on `stream` with pointer table `table`.
+    /// Launches `step` of the call `call` for `member` on `stream` with
+    /// pointer table `table`.
     ///
     /// # Safety
     /// As for [`launch_step`]: the table names live buffers of this group
@@ -569,17 +585,16 @@ impl Collective {
         &self,
         member: &Member,
         stream: &CudaStream,
+        call: CallDesc,
         step: &Step,
         table: u64,
         outputs: &[u64; MAX_RANKS],
         own_inputs: Option<&[u64; MAX_RANKS]>,
         faults: Faults,
     ) -> Result<()> {
-        let call_tag = self.tags.note(CallDesc::plain(
-            step.len,
-            step.entry.dtype,
-            step.entry.algorithm,
-        ));
+        // The whole call's tag in every chunk: ranks that differ only in
+        // the number of chunks, or in the last one, differ in the first.
+        let call_tag = self.tags.note(call);
         let target = Target {
             table,
             signals: &self.signals,
@@ -664,6 +679,7 @@ impl Collective {
                     self.launch_member(
                         member,
                         stream,
+                        plan.call(),
                         &step,
                         member.staged_table.ptr(),
                         &outputs,
@@ -762,39 +778,63 @@ mod tests {
 
     #[test]
     fn a_word_of_another_call_is_told_from_a_stale_or_own_one() {
-        use crate::abi::LaunchArgs;
+        use crate::abi::{flag_word, ll_highs, LaunchArgs, MISMATCH_FLIP};
         let e = 0x0012_3457;
         let args = |tag: u32| LaunchArgs {
             call_tag: tag,
             ..Default::default()
         };
-        let mine = 0x3a;
-        // What the kernels store (`abi::tagged`).
-        let word = |tag: u32, epoch: u32| crate::abi::tagged(epoch, &args(tag), 0);
-        assert_eq!(other_call(word(0x5c, e), e, mine), Some(0x5c));
+        let mine = 0x1234_563a;
+        // What the kernels store, as flags and as LL packs.
+        let flag = |tag: u32, epoch: u32| PeerWord::Flag(flag_word(epoch, &args(tag), 0));
+        let ll = |tag: u32, epoch: u32| PeerWord::Ll(ll_highs(epoch, &args(tag), 0));
+        let kinds: [&dyn Fn(u32, u32) -> PeerWord; 2] = [&flag, &ll];
+        for word in kinds {
+            let theirs = 0x1234_565c;
+            assert_eq!(other_call(word(theirs, e), e, mine), Some(theirs));
+            // Tags that differ only in their high bytes (the count field).
+            assert_eq!(
+                other_call(word(mine ^ 0x4000_0000, e), e, mine),
+                Some(mine ^ 0x4000_0000)
+            );
+            assert_eq!(
+                other_call(word(mine, e), e, mine),
+                None,
+                "this rank's own call"
+            );
+            assert_eq!(
+                other_call(word(theirs, e - 2), e, mine),
+                None,
+                "an older collective"
+            );
+        }
         assert_eq!(
-            other_call(word(mine, e), e, mine),
+            other_call(PeerWord::Flag(0), e, mine),
             None,
-            "this rank's own call"
+            "never written"
         );
         assert_eq!(
-            other_call(word(0x5c, e - 2), e, mine),
+            other_call(PeerWord::Ll([0; 4]), e, mine),
             None,
-            "an older collective"
+            "never written"
         );
-        assert_eq!(other_call(0, e, mine), None, "never written");
         // An injected flip is another call too.
         let flipped = LaunchArgs {
             call_tag: mine,
             mismatched_ranks: 0b10,
             ..Default::default()
         };
-        let v = crate::abi::tagged(e, &flipped, 1);
+        for v in [
+            PeerWord::Flag(flag_word(e, &flipped, 1)),
+            PeerWord::Ll(ll_highs(e, &flipped, 1)),
+        ] {
+            assert_eq!(other_call(v, e, mine), Some(mine ^ MISMATCH_FLIP));
+        }
         assert_eq!(
-            other_call(v, e, mine),
-            Some((mine ^ crate::abi::MISMATCH_FLIP) as u8)
+            PeerWord::Flag(flag_word(e, &flipped, 0)),
+            flag(mine, e),
+            "rank 0 is not flipped"
         );
-        assert_eq!(crate::abi::tagged(e, &flipped, 0), word(mine, e));
     }
 
     #[test]

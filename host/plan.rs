@@ -134,6 +134,13 @@ impl Plan {
         })
     }
 
+    /// The whole call as its tag summarises it (`crate::call_tag`): every
+    /// step of the plan carries this one call's tag.
+    pub fn call(&self) -> crate::call_tag::CallDesc {
+        let r = &self.request;
+        crate::call_tag::CallDesc::plain(r.count, r.dtype, self.algorithm)
+    }
+
     /// The launches, in order. An empty message is one empty launch: every
     /// rank still meets the others.
     pub fn steps(&self) -> impl Iterator<Item = Step> + '_ {

@@ -297,7 +297,15 @@ fn model<E: Element>(
             // flag-in-data lines (the last one zero-padded past `count`),
             // is decoded by the receiver, reduced in rank order, and only
             // its elements below `count` are stored.
-            let epoch = 7;
+            // Epoch 7 under a call tag whose four bytes differ.
+            let epoch = p2p_allreduce::abi::ll_highs(
+                7,
+                &p2p_allreduce::abi::LaunchArgs {
+                    call_tag: 0x1234_5678,
+                    ..Default::default()
+                },
+                0,
+            );
             let packs = count.div_ceil(lanes);
             let mut out = fresh();
             for g in 0..stride {

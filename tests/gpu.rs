@@ -51,6 +51,10 @@ fn main() {
             mismatch::injected,
         ),
         ("ranks_that_disagree_two_processes", mismatch::processes),
+        (
+            "ranks_that_disagree_at_engine_shapes_two_processes",
+            mismatch::engine_processes,
+        ),
         ("user_errors_are_typed", user_errors),
         ("api_safety_misuse_is_refused_or_ordered", api_safety),
         ("peer_group_real_rank_entries_every_gpu", peer_group),
@@ -2150,10 +2154,11 @@ fn kill_child(rank: usize, mode: &str) -> Result<String, String> {
 
 fn ipc_child(rank: usize) -> i32 {
     let mode = std::env::var("P2P_IPC_MODE").unwrap_or_else(|_| "sweep".into());
-    if mode == "fault" || mode == "auto_fused" || mode == "mismatch" {
+    if mode == "fault" || mode == "auto_fused" || mode == "mismatch" || mode == "engine_mismatch" {
         let r = match mode.as_str() {
             "fault" => fault_child(rank),
             "mismatch" => mismatch::child(rank),
+            "engine_mismatch" => mismatch::engine_child(rank),
             _ => auto_fused_child(rank),
         };
         return match r {

@@ -82,7 +82,10 @@ use loom::cell::UnsafeCell;
 use loom::model::Builder;
 use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use loom::sync::Arc;
-use p2p_allreduce::abi::{error_code, island_split, Algorithm, BarrierKind, ErrorRecord};
+use p2p_allreduce::abi::{
+    error_code, island_split, ll_highs, ll_tag, Algorithm, BarrierKind, ErrorRecord, LaunchArgs,
+};
+use p2p_allreduce::call_tag::CallDesc;
 use p2p_allreduce::device::barrier::{
     arrive_ordered, barriers, islands_barriers, next_epoch, order, runs, wait_ordered, Clock,
     FlagWord, Order, Wait, POLLS_PER_CLOCK_READ,
@@ -90,20 +93,21 @@ use p2p_allreduce::device::barrier::{
 use p2p_allreduce::device::ll::{self, Lines, PackSlot};
 use p2p_allreduce::device::reduce::partition;
 
-/// A flag word in loom's memory model.
-struct Flag(AtomicU32);
+/// A flag word in loom's memory model: the epoch in the low half, the
+/// writer's call tag in the high half (`abi::flag_word`).
+struct Flag(AtomicU64);
 
 impl FlagWord for Flag {
-    fn load_acquire(&self) -> u32 {
+    fn load_acquire(&self) -> u64 {
         self.0.load(Ordering::Acquire)
     }
-    fn store_release(&self, value: u32) {
+    fn store_release(&self, value: u64) {
         self.0.store(value, Ordering::Release)
     }
-    fn load_relaxed(&self) -> u32 {
+    fn load_relaxed(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
-    fn store_relaxed(&self, value: u32) {
+    fn store_relaxed(&self, value: u64) {
         self.0.store(value, Ordering::Relaxed)
     }
 }
@@ -221,7 +225,7 @@ struct RankMem {
 
 impl RankMem {
     fn new(world: usize, len: usize) -> Self {
-        let flags = || (0..world).map(|_| Flag(AtomicU32::new(0))).collect();
+        let flags = || (0..world).map(|_| Flag(AtomicU64::new(0))).collect();
         let cells = |n| (0..n).map(|_| UnsafeCell::new(0)).collect();
         RankMem {
             world,
@@ -340,6 +344,12 @@ struct Protocol {
     /// push_ll only, a must-fail variant: every collective's packs carry
     /// this epoch instead of their own.
     ll_fixed_epoch: Option<u32>,
+    /// The call tag each rank's words carry (`abi::flag_word`,
+    /// `abi::ll_highs`); all equal unless ranks disagree about the call.
+    tags: [u32; 4],
+    /// A rank whose call has fewer elements than `len` (ranks that
+    /// disagree about the count): `(rank, its len)`.
+    short: Option<(usize, usize)>,
 }
 
 /// The arrival test of a wait.
@@ -354,30 +364,30 @@ enum WaitRule {
 }
 
 /// A flag as an equality wait sees it: any value other than the awaited
-/// epoch reads as 0 (never written), so `reached` holds exactly when the
-/// flag holds `epoch`. This turns the kernels' own wait loop into an
+/// word reads as 0 (never written), so `reached` holds exactly when the
+/// flag holds `word`. This turns the kernels' own wait loop into an
 /// equality wait without copying it.
 struct Exactly<'a> {
     flag: &'a Flag,
-    epoch: u32,
+    word: u64,
 }
 
 impl FlagWord for Exactly<'_> {
-    fn load_acquire(&self) -> u32 {
+    fn load_acquire(&self) -> u64 {
         self.flag.load_acquire()
     }
-    fn store_release(&self, value: u32) {
+    fn store_release(&self, value: u64) {
         self.flag.store_release(value)
     }
-    fn load_relaxed(&self) -> u32 {
+    fn load_relaxed(&self) -> u64 {
         let v = self.flag.load_relaxed();
-        if v == self.epoch {
+        if v == self.word {
             v
         } else {
             0
         }
     }
-    fn store_relaxed(&self, value: u32) {
+    fn store_relaxed(&self, value: u64) {
         self.flag.store_relaxed(value)
     }
 }
@@ -422,6 +432,8 @@ impl Protocol {
             wait: WaitRule::Reached,
             ll_layout: LlLayout::InEveryWord,
             ll_fixed_epoch: None,
+            tags: [0; 4],
+            short: None,
         }
     }
 
@@ -473,7 +485,7 @@ fn expected_sum(c: u32, world: usize, i: usize) -> u32 {
     (0..world).fold(0u32, |acc, r| acc.wrapping_add(input_value(c, r, i)))
 }
 
-fn record_error(mem: &RankMem, rank: usize, peer: usize, epoch: u32, kind: BarrierKind) {
+fn record_error(mem: &RankMem, rank: usize, peer: usize, epoch: u32, kind: BarrierKind, tag: u32) {
     let claimed = mem
         .error
         .code
@@ -496,7 +508,8 @@ fn record_error(mem: &RankMem, rank: usize, peer: usize, epoch: u32, kind: Barri
                     peer: peer as u32,
                     epoch,
                     barrier: kind as u32,
-                    _reserved: [0; 2],
+                    tag,
+                    _reserved: 0,
                 }
             }
         });
@@ -526,6 +539,33 @@ impl<'a> Rank<'a> {
             clock: StepClock { now: 0 },
             ran: Vec::new(),
         }
+    }
+
+    /// Elements of this rank's call (`Protocol::short`).
+    fn len(&self) -> usize {
+        match self.p.short {
+            Some((r, len)) if r == self.me => len,
+            _ => self.p.len,
+        }
+    }
+
+    /// The call tag this rank's words carry.
+    fn tag(&self) -> u32 {
+        self.p.tags[self.me]
+    }
+
+    /// This rank's flag word at `epoch` (`abi::flag_word`).
+    fn word(&self, epoch: u32) -> u64 {
+        epoch as u64 | (self.tag() as u64) << 32
+    }
+
+    /// This rank's LL high halves at `epoch` (`abi::ll_highs`).
+    fn highs(&self, epoch: u32) -> ll::Highs {
+        let a = LaunchArgs {
+            call_tag: self.tag(),
+            ..LaunchArgs::default()
+        };
+        ll_highs(epoch, &a, 0)
     }
 
     /// The end of a stream operation (input copy or kernel).
@@ -564,7 +604,7 @@ impl<'a> Rank<'a> {
         // leaves it out to keep loom's search small.
         for (peer, mem) in self.world.iter().enumerate() {
             if peer != self.me && among.contains(&peer) {
-                arrive_ordered(mem.slot(kind, self.me), epoch, order);
+                arrive_ordered(mem.slot(kind, self.me), self.word(epoch), order);
             }
         }
         let own = &self.world[self.me];
@@ -573,15 +613,16 @@ impl<'a> Rank<'a> {
             // Every peer is waited for, even after a timeout, as the
             // kernel's threads wait side by side.
             let flag = own.slot(kind, peer);
+            let word = self.word(epoch);
             let (timeout, clock) = (self.p.timeout_ns, &mut self.clock);
             let w = match self.p.wait {
-                WaitRule::Reached => wait_ordered(flag, epoch, timeout, clock, order),
+                WaitRule::Reached => wait_ordered(flag, word, timeout, clock, order),
                 WaitRule::Equality => {
-                    wait_ordered(&Exactly { flag, epoch }, epoch, timeout, clock, order)
+                    wait_ordered(&Exactly { flag, word }, word, timeout, clock, order)
                 }
             };
             if w == Wait::TimedOut {
-                record_error(own, self.me, peer, epoch, kind);
+                record_error(own, self.me, peer, epoch, kind, self.tag());
                 failed = true;
             }
         }
@@ -632,7 +673,7 @@ impl<'a> Rank<'a> {
     fn push_to_peers(&self, epoch: u32) {
         let slot = self.landing_slot(epoch);
         let own = &self.world[self.me];
-        for i in 0..self.p.len {
+        for i in 0..self.len() {
             let v = Self::read(&own.input[i]);
             for (peer, mem) in self.world.iter().enumerate() {
                 if peer != self.me {
@@ -668,9 +709,9 @@ impl<'a> Rank<'a> {
         acc
     }
 
-    /// The epoch push_ll packs of collective `epoch` carry.
-    fn ll_epoch(&self, epoch: u32) -> u32 {
-        self.p.ll_fixed_epoch.unwrap_or(epoch)
+    /// The high halves push_ll packs of collective `epoch` carry.
+    fn ll_epoch(&self, epoch: u32) -> ll::Highs {
+        self.highs(self.p.ll_fixed_epoch.unwrap_or(epoch))
     }
 
     /// Pack `i` of this rank's input, zero past `len` (as the kernels'
@@ -689,7 +730,7 @@ impl<'a> Rank<'a> {
     /// push_ll, phase 1: this rank's input, pack by pack, into its part of
     /// every peer's LL zone (its own part is never written).
     fn push_ll_to_peers(&self, epoch: u32) {
-        for i in 0..self.p.len.div_ceil(LL_LANES) {
+        for i in 0..self.len().div_ceil(LL_LANES) {
             let lines = ll::encode(self.own_ll_pack(i), self.ll_epoch(epoch));
             for (peer, mem) in self.world.iter().enumerate() {
                 if peer != self.me {
@@ -710,7 +751,7 @@ impl<'a> Rank<'a> {
     /// `c`'s value, added into `out`.
     fn reduce_ll(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
         let own = &self.world[self.me];
-        for i in 0..self.p.len.div_ceil(LL_LANES) {
+        for i in 0..self.len().div_ceil(LL_LANES) {
             let mut acc = [0u32; LL_LANES];
             for src in 0..self.p.world {
                 let pack = if src == self.me {
@@ -724,14 +765,14 @@ impl<'a> Rank<'a> {
                     match ll::wait_pack(&view, want, self.p.timeout_ns, &mut self.clock) {
                         Some(p) => p,
                         None => {
-                            record_error(own, self.me, src, epoch, BarrierKind::Start);
+                            record_error(own, self.me, src, epoch, BarrierKind::Start, self.tag());
                             return Err(Stop::TimedOut);
                         }
                     }
                 };
                 for (k, a) in acc.iter_mut().enumerate() {
                     let idx = i * LL_LANES + k;
-                    if idx < self.p.len {
+                    if idx < self.len() {
                         assert_eq!(
                             pack[k],
                             input_value(c, src, idx),
@@ -759,7 +800,7 @@ impl<'a> Rank<'a> {
     /// regions of a part; here they are the same cells' disjoint indices
     /// (the owner's partition, then the source's own).
     fn push_two_stage(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
-        let (n, len) = (self.p.world, self.p.len);
+        let (n, len) = (self.p.world, self.len());
         let slot = self.landing_slot(epoch);
         let part = |p: usize| {
             let (s, e) = partition(len as u64, n as u32, p as u32);
@@ -829,7 +870,7 @@ impl<'a> Rank<'a> {
     /// indices of the source's part, its gather (and crossing) writes at
     /// its own partition's indices, which never meet.
     fn push_islands(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
-        let (n, len, me) = (self.p.world, self.p.len, self.me);
+        let (n, len, me) = (self.p.world, self.len(), self.me);
         let h = island_split(n);
         let slot = self.landing_slot(epoch);
         let part = |q: usize| {
@@ -916,7 +957,7 @@ impl<'a> Rank<'a> {
 
     /// One kernel: the collective `c` with this rank's input in place.
     fn kernel(&mut self, c: u32, epoch: u32, out: &mut [u32]) -> Result<(), Stop> {
-        let (n, len) = (self.p.world, self.p.len);
+        let (n, len) = (self.p.world, self.len());
         if self.p.algo == Algorithm::PushLl {
             // No barrier: a rank told to die at Start leaves before it
             // sends anything, as `absent_ranks` makes the kernel do.
@@ -987,7 +1028,7 @@ impl<'a> Rank<'a> {
 
     fn run_collectives(&mut self) -> Outcome {
         let mut epoch = self.p.epoch_before;
-        let mut out = vec![0u32; self.p.len];
+        let mut out = vec![0u32; self.len()];
         if let Some((rank, yields)) = self.p.late {
             if rank == self.me {
                 for _ in 0..yields {
@@ -997,7 +1038,7 @@ impl<'a> Rank<'a> {
         }
         for c in 0..self.p.collectives {
             // The input copy: a stream operation before the kernel.
-            for i in 0..self.p.len {
+            for i in 0..self.len() {
                 Self::write(&self.world[self.me].input[i], input_value(c, self.me, i));
             }
             self.stream_boundary();
@@ -1031,6 +1072,11 @@ impl<'a> Rank<'a> {
 /// the others on loom threads. Joining every thread is the no-deadlock
 /// check: loom fails an execution in which some thread can never finish.
 fn run_world(p: Protocol) -> Vec<Outcome> {
+    run_world_mem(p).0
+}
+
+/// [`run_world`], also returning the ranks' memory as they left it.
+fn run_world_mem(p: Protocol) -> (Vec<Outcome>, Arc<Vec<RankMem>>) {
     let world: Arc<Vec<RankMem>> =
         Arc::new((0..p.world).map(|_| RankMem::new(p.world, p.len)).collect());
     let handles: Vec<_> = (1..p.world)
@@ -1040,13 +1086,14 @@ fn run_world(p: Protocol) -> Vec<Outcome> {
         })
         .collect();
     let first = Rank::new(&world, 0, p).run();
-    std::iter::once(first)
+    let outcomes = std::iter::once(first)
         .chain(
             handles
                 .into_iter()
                 .map(|h| h.join().expect("rank thread panicked")),
         )
-        .collect()
+        .collect();
+    (outcomes, world)
 }
 
 fn builder(preemptions: usize) -> Builder {
@@ -1191,7 +1238,8 @@ fn timeout_record(rank: u32, peer: u32, epoch: u32, kind: BarrierKind) -> ErrorR
         peer,
         epoch,
         barrier: kind as u32,
-        _reserved: [0; 2],
+        tag: 0,
+        _reserved: 0,
     }
 }
 
@@ -1862,4 +1910,106 @@ fn push_islands_dead_peer_at_back_times_out_with_record() {
             Outcome::Failed(timeout_record(0, 1, 1, BarrierKind::Back))
         );
     });
+}
+
+/// Two ranks whose calls differ (issue 43): the engines' shapes, each rank
+/// with the tag its real call has (`call_tag::CallDesc`) and the shorter
+/// rank with fewer elements. Neither rank may end its call in `Done`: each
+/// times out, and the word the peer left where it waited is the peer's
+/// call at this epoch under the peer's tag, which is what the host turns
+/// into `CallMismatch` (host/collective.rs, `other_call`).
+fn ranks_that_disagree(algo: Algorithm, short: CallDesc, long: CallDesc) {
+    let (ts, tl) = (short.tag(), long.tag());
+    assert_ne!(ts, tl, "{short} vs {long}");
+    let p = Protocol {
+        timeout_ns: TIMEOUT_NS,
+        tags: [ts, tl, 0, 0],
+        short: Some((0, 1)),
+        ..Protocol::kernels(2, 2, 1, algo)
+    };
+    builder(1).check(move || {
+        let (outcomes, world) = run_world_mem(p);
+        for (me, o) in outcomes.iter().enumerate() {
+            let Outcome::Failed(rec) = o else {
+                panic!("{algo:?}: rank {me} ended {o:?}, not in a timeout: {short} vs {long}");
+            };
+            let (peer, theirs) = (1 - me, [ts, tl][1 - me]);
+            assert_eq!(rec.code, error_code::PEER_TIMEOUT);
+            assert_eq!(rec.peer as usize, peer);
+            assert_eq!(
+                rec.tag,
+                [ts, tl][me],
+                "the record carries the waiter's own tag"
+            );
+            let kind = BarrierKind::from_u32(rec.barrier).expect("a barrier kind");
+            let mem = &world[me];
+            // What the host reads where the wait timed out.
+            let left = if algo == Algorithm::PushLl {
+                let pack = mem.ll_pack(rec.epoch, p.landing_slots, peer, 0);
+                let w = |k: usize| (pack.words[k].load(Ordering::Acquire) >> 32) as u32;
+                ll_tag([w(0), w(1), w(2), w(3)], rec.epoch)
+            } else {
+                let v = mem.slot(kind, peer).0.load(Ordering::Acquire);
+                (v as u32 == rec.epoch).then_some((v >> 32) as u32)
+            };
+            assert_eq!(
+                left,
+                Some(theirs),
+                "{algo:?}: rank {me} must see the peer's call"
+            );
+        }
+    });
+}
+
+#[test]
+fn ranks_that_disagree_never_complete_one_stage() {
+    ranks_that_disagree(
+        Algorithm::OneStage,
+        CallDesc::plain(3 * 7168, p2p_allreduce::Dtype::Bf16, Algorithm::OneStage),
+        CallDesc::plain(4 * 7168, p2p_allreduce::Dtype::Bf16, Algorithm::OneStage),
+    );
+}
+
+#[test]
+fn ranks_that_disagree_never_complete_two_stage() {
+    ranks_that_disagree(
+        Algorithm::TwoStage,
+        CallDesc::plain(8192, p2p_allreduce::Dtype::F16, Algorithm::TwoStage),
+        CallDesc::plain(2 * 8192, p2p_allreduce::Dtype::F16, Algorithm::TwoStage),
+    );
+}
+
+#[test]
+fn ranks_that_disagree_never_complete_push() {
+    ranks_that_disagree(
+        Algorithm::Push,
+        CallDesc::plain(1000, p2p_allreduce::Dtype::F32, Algorithm::Push),
+        CallDesc::plain(1256, p2p_allreduce::Dtype::F32, Algorithm::Push),
+    );
+}
+
+#[test]
+fn ranks_that_disagree_never_complete_push_ll() {
+    ranks_that_disagree(
+        Algorithm::PushLl,
+        CallDesc::fused(3, 7168, p2p_allreduce::Dtype::Bf16, Algorithm::PushLl),
+        CallDesc::fused(4, 7168, p2p_allreduce::Dtype::Bf16, Algorithm::PushLl),
+    );
+}
+
+#[test]
+fn ranks_that_disagree_never_complete_push_two_stage() {
+    ranks_that_disagree(
+        Algorithm::PushTwoStage,
+        CallDesc::plain(
+            3 * 7168,
+            p2p_allreduce::Dtype::Bf16,
+            Algorithm::PushTwoStage,
+        ),
+        CallDesc::plain(
+            4 * 7168,
+            p2p_allreduce::Dtype::Bf16,
+            Algorithm::PushTwoStage,
+        ),
+    );
 }

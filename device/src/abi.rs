@@ -85,29 +85,18 @@ pub struct ErrorRecord {
     pub peer: u32,
     /// The epoch the block was waiting for.
     pub epoch: u32,
-    /// Which barrier, as a [`BarrierKind`] value in bits 0..8; for
-    /// `PEER_TIMEOUT`, bits 8..16 hold the waiting rank's call tag (with
-    /// any injected flip), the tag its own words carry.
+    /// Which barrier, as a [`BarrierKind`] value.
     pub barrier: u32,
-    pub _reserved: [u32; 2],
+    /// For `PEER_TIMEOUT`: the waiting rank's call tag (with any injected
+    /// flip, [`tag_of`]), the tag its own words carry.
+    pub tag: u32,
+    pub _reserved: u32,
 }
 
 impl ErrorRecord {
-    /// The `barrier` word of a wait at `kind` that timed out awaiting
-    /// `own_word` ([`tagged`] of `epoch`): the kind in bits 0..8, the
-    /// waiting rank's call tag in bits 8..16.
-    #[inline(always)]
-    pub const fn timed_out_at(kind: BarrierKind, own_word: u32, epoch: u32) -> u32 {
-        kind as u32 | (own_word ^ epoch) >> 16
-    }
-    /// The raw [`BarrierKind`] of the record (bits 0..8 of `barrier`).
+    /// The raw [`BarrierKind`] of the record.
     pub const fn barrier_kind(&self) -> u32 {
-        self.barrier & 0xff
-    }
-    /// The waiting rank's call tag of a `PEER_TIMEOUT` record (bits 8..16
-    /// of `barrier`, [`Self::timed_out_at`]).
-    pub const fn waiter_tag(&self) -> u32 {
-        (self.barrier >> 8) & 0xff
+        self.barrier
     }
 }
 
@@ -115,18 +104,19 @@ impl ErrorRecord {
 ///
 /// `start[e % 2][b][p]` in rank r's signal is written by peer p's block b
 /// when it reaches the start barrier of collective `e`, and read by rank
-/// r's block b. Flags hold the epoch of the collective with the peer's
-/// call tag in its top byte ([`tagged`]); `epoch[b]` is owned by block b of this rank and
+/// r's block b. Flags are 64-bit words: the epoch of the collective in the
+/// low half, the peer's 32-bit call tag in the high half ([`flag_word`]);
+/// `epoch[b]` is owned by block b of this rank and
 /// is advanced on the device, so the same launch can be replayed in a CUDA
 /// graph. Zeroed memory is a valid initial state: epochs start at 1.
 #[repr(C, align(128))]
 #[derive(Clone, Copy)]
 pub struct Signal {
-    pub start: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
-    pub mid: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
-    pub end: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
-    pub back: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
-    pub relay: [[[u32; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub start: [[[u64; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub mid: [[[u64; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub end: [[[u64; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub back: [[[u64; MAX_RANKS]; MAX_BLOCKS]; 2],
+    pub relay: [[[u64; MAX_RANKS]; MAX_BLOCKS]; 2],
     pub epoch: [u32; MAX_BLOCKS],
     pub error: ErrorRecord,
     pub _pad: [u32; 440],
@@ -146,12 +136,12 @@ impl Signal {
             BarrierKind::Back => 3,
             BarrierKind::Relay => 4,
         };
-        (((set * 2 + parity) * MAX_BLOCKS + block) * MAX_RANKS + from) * 4
+        (((set * 2 + parity) * MAX_BLOCKS + block) * MAX_RANKS + from) * 8
     }
     /// The flag that `from` wrote into this signal for block `block` at
     /// barrier `kind` in collectives of epoch parity `parity` (the word at
     /// [`Self::flag_offset`]).
-    pub const fn flag(&self, kind: BarrierKind, parity: usize, block: usize, from: usize) -> u32 {
+    pub const fn flag(&self, kind: BarrierKind, parity: usize, block: usize, from: usize) -> u64 {
         let set = match kind {
             BarrierKind::Start => &self.start,
             BarrierKind::Mid => &self.mid,
@@ -163,7 +153,7 @@ impl Signal {
     }
     /// Flag sets, one per [`BarrierKind`].
     pub const FLAG_SETS: usize = 5;
-    pub const EPOCH_OFFSET: usize = Self::FLAG_SETS * 2 * MAX_BLOCKS * MAX_RANKS * 4;
+    pub const EPOCH_OFFSET: usize = Self::FLAG_SETS * 2 * MAX_BLOCKS * MAX_RANKS * 8;
     /// Where a rank's landing zones start in its signal allocation: right
     /// after the [`Signal`], push's first, then push_ll's, then
     /// push_two_stage's, then push_islands' (`LaunchArgs::landing_offset`
@@ -267,12 +257,14 @@ pub struct LaunchArgs {
     /// Fault injection for tests: ranks whose bit is set leave the kernel
     /// at once, as a dead peer would. Zero in normal use.
     pub absent_ranks: u32,
-    /// The call's tag (8 bits the host computes from the call's count,
-    /// dtype, algorithm and fused shape): every flag and every LL word
-    /// this rank stores carries `epoch ^ tag << 24` ([`tagged`]) and every
-    /// wait awaits its own, so ranks whose calls differ never take each
-    /// other's words, and the host tells a mismatch from a dead peer by the
-    /// words left where a wait timed out.
+    /// The call's tag (32 bits the host computes from the whole call's
+    /// count, dtype, algorithm and fused shape, `host/call_tag.rs`): every
+    /// flag this rank stores is `epoch | tag << 32` ([`flag_word`]) and
+    /// every LL word carries `epoch` with one byte of the tag XORed into
+    /// its top byte ([`ll_highs`]), and every wait awaits its own, so
+    /// ranks whose calls differ never take each other's words, and the
+    /// host tells a mismatch from a dead peer by the words left where a
+    /// wait timed out.
     pub call_tag: u32,
     /// Fault injection for tests: ranks whose bit is set carry the tag
     /// with [`MISMATCH_FLIP`] flipped, as a rank with another call would.
@@ -299,31 +291,73 @@ pub struct LaunchArgs {
     pub own_inputs: [u64; MAX_RANKS],
 }
 
-/// The tag bits a rank in [`LaunchArgs::mismatched_ranks`] flips.
-pub const MISMATCH_FLIP: u32 = 0x80;
+/// The tag bits a rank in [`LaunchArgs::mismatched_ranks`] flips (the
+/// top bit of the last LL word's tag byte).
+pub const MISMATCH_FLIP: u32 = 0x8000_0000;
 
-/// What rank `rank` of a launch stores and awaits at `epoch`: the epoch
-/// with the call's tag XORed into its top byte. For one call this is a
-/// bijection of the epoch, so equality keeps every guarantee of the plain
-/// epoch (docs/design.md, "Call tags"); words of another call at the same
-/// epoch differ in the top byte and agree in the low 24 bits.
+/// The call tag rank `rank` of a launch carries: the call's, with
+/// [`MISMATCH_FLIP`] flipped where fault injection says so.
 #[inline(always)]
-pub const fn tagged(epoch: u32, a: &LaunchArgs, rank: u32) -> u32 {
-    let flip = ((a.mismatched_ranks >> rank) & 1) * MISMATCH_FLIP;
-    epoch ^ ((a.call_tag ^ flip) << 24)
+pub const fn tag_of(a: &LaunchArgs, rank: u32) -> u32 {
+    a.call_tag ^ (((a.mismatched_ranks >> rank) & 1) * MISMATCH_FLIP)
+}
+
+/// The flag word rank `rank` of a launch stores and awaits at `epoch`:
+/// the epoch in the low half, the call tag in the high half. For one
+/// call, equality on it is equality on the epoch (every guarantee of the
+/// plain epoch holds, docs/design.md "Call tags"); a word of another call
+/// differs in the high half at every epoch, however old it is.
+#[inline(always)]
+pub const fn flag_word(epoch: u32, a: &LaunchArgs, rank: u32) -> u64 {
+    epoch as u64 | (tag_of(a, rank) as u64) << 32
+}
+
+/// The high halves of the four words of an LL pack that rank `rank` of a
+/// launch stores and awaits at `epoch` (`crate::ll`, word `i` of a pack
+/// is element `i`): the epoch with byte `i` of the call tag XORed into its
+/// top byte. For one call each is a bijection of the epoch, so equality
+/// keeps every guarantee of the plain epoch; a pack of another call at the
+/// same epoch differs in the top byte of at least one word, because the
+/// four bytes together are the whole 32-bit tag.
+#[inline(always)]
+pub const fn ll_highs(epoch: u32, a: &LaunchArgs, rank: u32) -> [u32; 4] {
+    let t = tag_of(a, rank);
+    [
+        epoch ^ (t << 24),
+        epoch ^ ((t >> 8) << 24),
+        epoch ^ ((t >> 16) << 24),
+        epoch ^ ((t >> 24) << 24),
+    ]
+}
+
+/// The call tag that the four high halves `highs` of an LL pack carry at
+/// `epoch` ([`ll_highs`]), if they are words of that epoch (each agrees
+/// with it in its low 24 bits).
+pub const fn ll_tag(highs: [u32; 4], epoch: u32) -> Option<u32> {
+    let mut t = 0u32;
+    let mut i = 0;
+    while i < 4 {
+        let x = highs[i] ^ epoch;
+        if x & 0x00ff_ffff != 0 {
+            return None;
+        }
+        t |= (x >> 24) << (8 * i);
+        i += 1;
+    }
+    Some(t)
 }
 
 // Layout checks: the host writes these bytes and the PTX reads them.
 const _: () = {
     use core::mem::{align_of, offset_of, size_of};
     assert!(size_of::<ErrorRecord>() == 32);
-    assert!(size_of::<Signal>() == 22528);
+    assert!(size_of::<Signal>() == 43008);
     assert!(align_of::<Signal>() == 128);
     assert!(offset_of!(Signal, mid) == Signal::flag_offset(BarrierKind::Mid, 0, 0, 0));
     assert!(offset_of!(Signal, end) == Signal::flag_offset(BarrierKind::End, 0, 0, 0));
     assert!(offset_of!(Signal, back) == Signal::flag_offset(BarrierKind::Back, 0, 0, 0));
     assert!(offset_of!(Signal, relay) == Signal::flag_offset(BarrierKind::Relay, 0, 0, 0));
-    assert!(Signal::flag_offset(BarrierKind::Start, 1, 0, 0) == MAX_BLOCKS * MAX_RANKS * 4);
+    assert!(Signal::flag_offset(BarrierKind::Start, 1, 0, 0) == MAX_BLOCKS * MAX_RANKS * 8);
     assert!(offset_of!(Signal, epoch) == Signal::EPOCH_OFFSET);
     assert!(offset_of!(Signal, error) == Signal::ERROR_OFFSET);
     assert!(size_of::<RankTable>() == 192);
@@ -564,37 +598,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_timeout_record_keeps_the_kind_and_the_waiters_tag_apart() {
-        let kinds = [
-            BarrierKind::Start,
-            BarrierKind::Mid,
-            BarrierKind::End,
-            BarrierKind::Back,
-            BarrierKind::Relay,
-        ];
-        for kind in kinds {
-            for (epoch, tag, flipped) in [
-                (1u32, 0u32, 0u32),
-                (0x00ab_cdef, 0x5c, 0b100),
-                (0x00ff_fffe, 0xff, 0),
-            ] {
+    fn words_carry_the_whole_tag_and_an_injected_flip() {
+        for (epoch, tag) in [
+            (1u32, 0u32),
+            (0x00ab_cdef, 0x1234_5678),
+            (u32::MAX, 0xffff_ffff),
+            (0x8000_0000, 0x8000_0001),
+        ] {
+            for flipped in [0u32, 0b100] {
                 let a = LaunchArgs {
                     call_tag: tag,
                     mismatched_ranks: flipped,
                     ..Default::default()
                 };
-                let own = tagged(epoch, &a, 2);
-                let rec = ErrorRecord {
-                    barrier: ErrorRecord::timed_out_at(kind, own, epoch),
-                    ..Default::default()
-                };
-                assert_eq!(rec.barrier_kind(), kind as u32);
                 let want = if flipped != 0 {
                     tag ^ MISMATCH_FLIP
                 } else {
                     tag
                 };
-                assert_eq!(rec.waiter_tag(), want);
+                assert_eq!(tag_of(&a, 2), want);
+                assert_eq!(tag_of(&a, 1), tag, "rank 1 is not flipped");
+                let w = flag_word(epoch, &a, 2);
+                assert_eq!((w as u32, (w >> 32) as u32), (epoch, want));
+                let highs = ll_highs(epoch, &a, 2);
+                assert_eq!(ll_tag(highs, epoch), Some(want));
+                // Another epoch's words are not this epoch's.
+                assert_eq!(ll_tag(highs, epoch ^ 1), None);
+                // Tags that differ in any one byte differ in that word.
+                for byte in 0..4 {
+                    let other = LaunchArgs {
+                        call_tag: tag ^ (1 << (8 * byte + 3)),
+                        ..a
+                    };
+                    let o = ll_highs(epoch, &other, 2);
+                    for w in 0..4 {
+                        assert_eq!(o[w] == highs[w], w != byte);
+                    }
+                }
             }
         }
     }
@@ -612,12 +652,12 @@ mod tests {
             _pad: [0; 440],
         };
         // Every flag word holds its own byte offset.
-        let words = core::mem::size_of::<Signal>() / 4;
-        let base = &mut s as *mut Signal as *mut u32;
-        for i in 0..Signal::EPOCH_OFFSET / 4 {
-            assert!(i < words);
-            // SAFETY: i indexes a u32 inside `s` (a repr(C) struct of u32s).
-            unsafe { *base.add(i) = (i * 4) as u32 };
+        let words = Signal::EPOCH_OFFSET / 8;
+        let base = &mut s as *mut Signal as *mut u64;
+        for i in 0..words {
+            // SAFETY: i indexes a u64 of the flag arrays at the start of `s`
+            // (a repr(C) struct aligned to 128 bytes).
+            unsafe { *base.add(i) = (i * 8) as u64 };
         }
         let kinds = [
             BarrierKind::Start,

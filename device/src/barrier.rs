@@ -32,8 +32,8 @@
 //! The kernels keep one flag per barrier *and epoch parity*
 //! (`Signal::flag_offset`), so a peer one collective ahead writes the other
 //! parity's flag and a wait sees only its own collective's word; and the
-//! word is the epoch with the writer's call tag in its top byte
-//! (`abi::tagged`), so a wait never takes a word of another call for an
+//! word is the epoch with the writer's 32-bit call tag in its high half
+//! (`abi::flag_word`), so a wait never takes a word of another call for an
 //! arrival. `reached` still accepts the next epoch: the protocol is sound
 //! with one flag per barrier too, which is what `tests/loom_barrier.rs`
 //! models.
@@ -260,32 +260,35 @@ const _: () = {
     }
 };
 
-/// A 32-bit flag in memory another rank can see.
+/// A 64-bit flag in memory another rank can see: the epoch in the low
+/// half, the writer's call tag in the high half (`abi::flag_word`). An
+/// aligned 8-byte access is single-copy atomic, so a load sees one
+/// store's epoch and tag together.
 pub trait FlagWord {
-    fn load_acquire(&self) -> u32;
-    fn store_release(&self, value: u32);
-    fn load_relaxed(&self) -> u32;
-    fn store_relaxed(&self, value: u32);
+    fn load_acquire(&self) -> u64;
+    fn store_release(&self, value: u64);
+    fn load_relaxed(&self) -> u64;
+    fn store_relaxed(&self, value: u64);
 }
 
-impl FlagWord for core::sync::atomic::AtomicU32 {
+impl FlagWord for core::sync::atomic::AtomicU64 {
     #[inline(always)]
-    fn load_acquire(&self) -> u32 {
+    fn load_acquire(&self) -> u64 {
         // Lowers to ld.acquire.sys on sm_70+.
         self.load(core::sync::atomic::Ordering::Acquire)
     }
     #[inline(always)]
-    fn store_release(&self, value: u32) {
+    fn store_release(&self, value: u64) {
         // Lowers to st.release.sys on sm_70+.
         self.store(value, core::sync::atomic::Ordering::Release)
     }
     #[inline(always)]
-    fn load_relaxed(&self) -> u32 {
+    fn load_relaxed(&self) -> u64 {
         // ld.relaxed.sys: never served from a stale L1 line.
         self.load(core::sync::atomic::Ordering::Relaxed)
     }
     #[inline(always)]
-    fn store_relaxed(&self, value: u32) {
+    fn store_relaxed(&self, value: u64) {
         self.store(value, core::sync::atomic::Ordering::Relaxed)
     }
 }
@@ -317,8 +320,10 @@ pub trait Clock {
 pub const POLLS_PER_CLOCK_READ: u32 = 32;
 const _: () = assert!(POLLS_PER_CLOCK_READ.is_power_of_two());
 
-/// Whether a flag holding `value` shows an arrival at `epoch`: the awaited
-/// epoch itself, or the one after it. A peer is never more than one
+/// Whether a flag holding `value` shows an arrival at the flag word
+/// `awaited` (`abi::flag_word`: the epoch in the low half, the call tag in
+/// the high half): the awaited word itself, or the word of the next epoch
+/// under the same tag. A peer is never more than one
 /// collective ahead (see [`barriers`]), so nothing else is an arrival; zero
 /// (never written) has not reached anything. For the pull algorithms a
 /// slot never moves past the awaited epoch, so only the first holds there.
@@ -332,10 +337,17 @@ const _: () = assert!(POLLS_PER_CLOCK_READ.is_power_of_two());
 /// turns positive), and then a wait passed without its peer. With
 /// equality a stale flag passes only if it was written exactly a multiple
 /// of the epoch period (2^32 - 2 collectives) before, or one less: the
-/// same bound as the LL words' (crate::ll).
+/// same bound as the LL words' (crate::ll). A word of another call
+/// (another tag in the high half) never passes, however old.
 #[inline(always)]
-pub const fn reached(value: u32, epoch: u32) -> bool {
-    value == epoch || value == next_epoch(epoch)
+pub const fn reached(value: u64, awaited: u64) -> bool {
+    value == awaited || value == next_word(awaited)
+}
+
+/// The flag word of the epoch after `w`'s, under `w`'s tag.
+#[inline(always)]
+pub const fn next_word(w: u64) -> u64 {
+    (w & !0xffff_ffff) | next_epoch(w as u32) as u64
 }
 
 /// The epoch that follows `prev`. Zero is never used, so zeroed signal
@@ -355,10 +367,10 @@ pub const fn next_epoch(prev: u32) -> u32 {
 /// Step 1: tell the peer we arrived, with the given [`Order`] (release
 /// for [`Order::Publish`]: publishes this thread's earlier writes).
 #[inline(always)]
-pub fn arrive_ordered<F: FlagWord + ?Sized>(slot_in_peer: &F, epoch: u32, order: Order) {
+pub fn arrive_ordered<F: FlagWord + ?Sized>(slot_in_peer: &F, word: u64, order: Order) {
     match order {
-        Order::Publish => slot_in_peer.store_release(epoch),
-        Order::ArrivalOnly => slot_in_peer.store_relaxed(epoch),
+        Order::Publish => slot_in_peer.store_release(word),
+        Order::ArrivalOnly => slot_in_peer.store_relaxed(word),
     }
 }
 
@@ -368,13 +380,13 @@ pub enum Wait {
     TimedOut,
 }
 
-/// Step 2: wait for the peer's arrival (for [`Order::Publish`], with an
-/// acquire that synchronizes with its release). `timeout_ns == 0` waits
-/// forever.
+/// Step 2: wait for the peer's arrival at flag word `word` ([`reached`];
+/// for [`Order::Publish`], with an acquire that synchronizes with its
+/// release). `timeout_ns == 0` waits forever.
 #[inline(always)]
 pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
     own_slot: &F,
-    epoch: u32,
+    word: u64,
     timeout_ns: u64,
     clock: &mut C,
     order: Order,
@@ -388,13 +400,13 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
         }
         Wait::Arrived
     };
-    if reached(own_slot.load_relaxed(), epoch) {
+    if reached(own_slot.load_relaxed(), word) {
         return arrived(own_slot);
     }
     let t0 = if timeout_ns != 0 { clock.now_ns() } else { 0 };
     let mut polls: u32 = 0;
     loop {
-        if reached(own_slot.load_relaxed(), epoch) {
+        if reached(own_slot.load_relaxed(), word) {
             return arrived(own_slot);
         }
         clock.relax();
@@ -404,7 +416,7 @@ pub fn wait_ordered<F: FlagWord + ?Sized, C: Clock>(
             let now = clock.now_ns();
             if now.wrapping_sub(t0) > timeout_ns {
                 // One last look, so an arrival racing with the deadline wins.
-                return if reached(own_slot.load_relaxed(), epoch) {
+                return if reached(own_slot.load_relaxed(), word) {
                     arrived(own_slot)
                 } else {
                     Wait::TimedOut
@@ -430,13 +442,20 @@ mod tests {
             u32::MAX - 1,
             u32::MAX,
         ] {
-            assert!(reached(e, e));
-            assert!(reached(next_epoch(e), e));
-            assert!(!reached(0, e), "never written");
+            let tag = 0x5a5a_0001u64 << 32;
+            let w = |e: u32| tag | e as u64;
+            assert!(reached(w(e), w(e)));
+            assert!(reached(w(next_epoch(e)), w(e)));
+            assert!(!reached(0, w(e)), "never written");
             assert!(
-                !reached(next_epoch(next_epoch(e)), e),
+                !reached(w(next_epoch(next_epoch(e))), w(e)),
                 "two ahead never happens"
             );
+            // Another call's word, at this epoch or the next: never.
+            for other in [0u64, 1 << 32, tag ^ 1 << 63] {
+                assert!(!reached(other | e as u64, w(e)));
+                assert!(!reached(other | next_epoch(e) as u64, w(e)));
+            }
             // A flag left by an earlier collective, however long ago: the
             // ordered comparison this replaced took ages of 2^31 and more
             // for arrivals.
@@ -452,12 +471,16 @@ mod tests {
             ] {
                 let stale = e.wrapping_sub(age);
                 if stale != 0 {
-                    assert!(!reached(stale, e), "epoch {e:#x}: a flag {age:#x} old");
+                    assert!(
+                        !reached(w(stale), w(e)),
+                        "epoch {e:#x}: a flag {age:#x} old"
+                    );
                 }
             }
         }
         // Across the wrap: u32::MAX is followed by 2.
-        assert!(reached(2, u32::MAX));
-        assert!(!reached(1, u32::MAX));
+        assert!(reached(2, u32::MAX as u64));
+        assert!(!reached(1, u32::MAX as u64));
+        assert_eq!(next_word(7 << 32 | u32::MAX as u64), 7 << 32 | 2);
     }
 }

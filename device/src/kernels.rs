@@ -37,15 +37,15 @@
 //! [`order`]); the kernels only place the barrier sites.
 
 use crate::abi::{
-    error_code, tagged, Algorithm, BarrierKind, ErrorRecord, LaunchArgs, RankTable, Signal,
-    MAX_BLOCKS, MAX_RANKS,
+    error_code, flag_word, ll_highs, tag_of, Algorithm, BarrierKind, ErrorRecord, LaunchArgs,
+    RankTable, Signal, MAX_BLOCKS, MAX_RANKS,
 };
 use crate::barrier::{arrive_ordered, next_epoch, order, runs, wait_ordered, Order, Wait};
 use crate::cuda::*;
 use crate::numeric::{Bf16, Element, Pack, F16, F32};
 use crate::reduce::{partition, reduce_pack, split};
 use core::ptr::{read_volatile, write_volatile};
-use core::sync::atomic::AtomicU32;
+use core::sync::atomic::AtomicU64;
 
 include!("kernels/error_records.rs");
 include!("kernels/block_barrier.rs");

@@ -4,8 +4,10 @@
 //! the very same code on loom atomics.
 //!
 //! A 16-byte pack of data travels as [`LINES_PER_PACK`] lines of two 8-byte
-//! words; each word is `data | epoch << 32`: four data bytes and the epoch
-//! of the collective that wrote them. A reader polls the words of a pack
+//! words; each word is `data | high << 32`: four data bytes and the epoch
+//! of the collective that wrote them, with one byte of the writer's 32-bit
+//! call tag XORed into the epoch's top byte (word `i` of a pack carries
+//! byte `i`, `abi::ll_highs`), so a pack of another call never passes. A reader polls the words of a pack
 //! until every one carries the awaited epoch, and then has the data: an
 //! aligned 8-byte access is single-copy atomic (a vector access is modelled
 //! by PTX as independent accesses of its elements, which is why the epoch
@@ -42,31 +44,54 @@ pub const LL_PACK_BYTES: usize = LINES_PER_PACK * 16;
 /// A pack as it travels: `[line][word]`.
 pub type Lines = [[u64; 2]; LINES_PER_PACK];
 
-/// The word that carries data word `data` of collective `epoch`.
+/// The high halves of a pack's four words (word `i` = element `i`): what a
+/// writer stores and a reader awaits, `abi::ll_highs` of the collective's
+/// epoch and call tag.
+pub type Highs = [u32; 4];
+
+/// The same high half in every word: a pack of collective `epoch` under
+/// the call tag 0 (the loom model and tests).
 #[inline(always)]
-pub const fn word(data: u32, epoch: u32) -> u64 {
-    data as u64 | (epoch as u64) << 32
+pub const fn untagged(epoch: u32) -> Highs {
+    [epoch; 4]
 }
 
-/// A pack of collective `epoch` as lines.
+/// The word that carries data word `data` under high half `high`.
 #[inline(always)]
-pub const fn encode(p: Pack, epoch: u32) -> Lines {
+pub const fn word(data: u32, high: u32) -> u64 {
+    data as u64 | (high as u64) << 32
+}
+
+/// A pack as lines whose words carry the high halves `h`.
+#[inline(always)]
+pub const fn encode(p: Pack, h: Highs) -> Lines {
     [
-        [word(p[0], epoch), word(p[1], epoch)],
-        [word(p[2], epoch), word(p[3], epoch)],
+        [word(p[0], h[0]), word(p[1], h[1])],
+        [word(p[2], h[2]), word(p[3], h[3])],
     ]
 }
 
-/// The pack carried by `l`, if every word of it carries `epoch`.
+/// The high halves of the words of `l` (word `i` = element `i`).
 #[inline(always)]
-pub const fn decode(l: &Lines, epoch: u32) -> Option<Pack> {
+pub const fn highs(l: &Lines) -> Highs {
+    [
+        (l[0][0] >> 32) as u32,
+        (l[0][1] >> 32) as u32,
+        (l[1][0] >> 32) as u32,
+        (l[1][1] >> 32) as u32,
+    ]
+}
+
+/// The pack carried by `l`, if every word of it carries its high half of
+/// `h`.
+#[inline(always)]
+pub const fn decode(l: &Lines, h: Highs) -> Option<Pack> {
     // 32-bit compares of the high words (a 64-bit compare of the shifted
     // word costs two instructions each).
     const fn hi(w: u64) -> u32 {
         (w >> 32) as u32
     }
-    if hi(l[0][0]) == epoch && hi(l[0][1]) == epoch && hi(l[1][0]) == epoch && hi(l[1][1]) == epoch
-    {
+    if hi(l[0][0]) == h[0] && hi(l[0][1]) == h[1] && hi(l[1][0]) == h[2] && hi(l[1][1]) == h[3] {
         Some([
             l[0][0] as u32,
             l[0][1] as u32,
@@ -93,12 +118,14 @@ pub trait PackSlot {
     fn store(&self, lines: Lines);
 }
 
-/// Polls `slot` until it holds a pack of collective `epoch`, or until
-/// `timeout_ns` passes (0: waits forever). `None`: timed out.
+/// Polls `slot` until it holds a pack whose words carry the high halves
+/// `epoch` (the collective's epoch under the call's tag,
+/// `abi::ll_highs`), or until `timeout_ns` passes (0: waits forever).
+/// `None`: timed out.
 #[inline(always)]
 pub fn wait_pack<S: PackSlot + ?Sized, C: Clock>(
     slot: &S,
-    epoch: u32,
+    epoch: Highs,
     timeout_ns: u64,
     clock: &mut C,
 ) -> Option<Pack> {
@@ -134,15 +161,28 @@ mod tests {
             [0x8000_8000, 0x7e01_ffc1, 1, 2],
         ] {
             for e in [1u32, 2, 0x7fff_ffff, u32::MAX] {
-                let l = encode(p, e);
-                assert_eq!(decode(&l, e), Some(p));
-                assert_eq!(decode(&l, e.wrapping_add(2)), None);
+                let h = untagged(e);
+                let l = encode(p, h);
+                assert_eq!(decode(&l, h), Some(p));
+                assert_eq!(highs(&l), h);
+                assert_eq!(decode(&l, untagged(e.wrapping_add(2))), None);
                 let mut torn = l;
                 torn[1][0] = word(p[2], e.wrapping_sub(2));
-                assert_eq!(decode(&torn, e), None);
+                assert_eq!(decode(&torn, h), None);
+                // Each word is held to its own high half: another call's
+                // tag byte in any one word fails the pack.
+                let tagged = [e, e ^ 0x0100_0000, e ^ 0x8000_0000, e];
+                let l = encode(p, tagged);
+                assert_eq!(decode(&l, tagged), Some(p));
+                assert_eq!(decode(&l, h), None);
+                for w in 0..4 {
+                    let mut other = tagged;
+                    other[w] ^= 0x0200_0000;
+                    assert_eq!(decode(&l, other), None);
+                }
             }
         }
-        assert_eq!(decode(&[[0; 2]; 2], 1), None);
+        assert_eq!(decode(&[[0; 2]; 2], untagged(1)), None);
         assert_eq!(slot(3, 4, 2, 64), (4 + 2) * 64);
         assert_eq!(slot(4, 4, 2, 64), 2 * 64);
     }

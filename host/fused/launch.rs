@@ -245,7 +245,7 @@ impl Collective {
                     self.config.landing(plan.algorithm, self.world);
                 let call_tag = self
                     .tags
-                    .note(CallDesc::fused(n, hidden, dtype, plan.algorithm));
+                    .note(CallDesc::fused(rows, hidden, dtype, plan.algorithm));
                 let mut args = NormArgs {
                     base: LaunchArgs {
                         table,

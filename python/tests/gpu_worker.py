@@ -399,6 +399,53 @@ def mismatch_case(c, ca):
 
     c.run("counts 1000 and 1001 raise GroupError naming the peer, then exact after reset", body)
 
+    # Issue 43: the disagreements engines make differ by multiples of 256
+    # elements (token counts at a hidden size), which an 8-bit tag could
+    # not see: the shorter rank returned with wrong bits. Every algorithm.
+    algorithms = ["one_stage", "two_stage", "push", "push_ll", "push_two_stage", "push_islands"]
+    shapes = [
+        ("3x7168 vs 4x7168 bf16", lambda r: (3 + r) * 7168, torch.bfloat16),
+        ("1x8192 vs 2x8192 f16", lambda r: (1 + r) * 8192, torch.float16),
+        ("1000 vs 1256 f32", lambda r: 1000 + 256 * r, torch.float32),
+    ]
+
+    def expect_group_error(what, call):
+        call()
+        try:
+            ca.check()
+        except pa.GroupError as e:
+            assert other_rank in e.peers, f"{what}: peers {e.peers} should name rank {other_rank}: {e}"
+        else:
+            raise AssertionError(f"{what}: no GroupError: this rank returned Ok")
+        dist.barrier()
+        ca.reset()
+        dist.barrier()
+
+    other_rank = 1 - c.rank
+
+    def engine_shapes():
+        n = 0
+        for name, count, dtype in shapes:
+            for algo in algorithms:
+                x = c.x(count(c.rank), dtype, 21)
+                expect_group_error(f"{name} {algo}", lambda: ca.allreduce(x, algorithm=algo))
+                n += 1
+        for algo in ["one_stage", "two_stage", "push_ll"]:
+            rows = 3 + c.rank
+            x = c.x(rows * 7168, torch.bfloat16, 22).view(rows, 7168)
+            res = c.x(rows * 7168, torch.bfloat16, 23).view(rows, 7168)
+            w = torch.ones(7168, dtype=torch.bfloat16, device=c.dev)
+            expect_group_error(
+                f"fused 3 vs 4 rows of 7168 {algo}",
+                lambda: ca.allreduce_add_rmsnorm(x, res, w, algorithm=algo),
+            )
+            n += 1
+        x = c.x(7168, torch.float32, 24)
+        same_bits(ca.allreduce(x), c.ref(7168, torch.float32, 24), "after the engine shapes")
+        print(f"rank {c.rank}: {n} engine-shape disagreements raised GroupError", flush=True)
+
+    c.run("engine shapes (token counts at hidden sizes, +256, fused rows) raise GroupError on every algorithm", engine_shapes)
+
 
 def adapter_cases(c, world, group):
     """The engine-facing object (p2p_allreduce.integrations) on the real
@@ -482,7 +529,7 @@ def main(rank, world, devices, port, outdir, mode):
     torch.cuda.set_device(dev)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     c = Cases(rank, world, dev)
-    timeout = {"timeout": 2.0, "mismatch": 1.0}.get(mode, 5.0)
+    timeout = {"timeout": 2.0, "mismatch": 0.5}.get(mode, 5.0)
     ca = None
 
     def make():

@@ -302,3 +302,230 @@ pub(super) fn processes(_g: &Gpu) {
         println!("  {text}");
     }
 }
+
+/// The engines' disagreements (issue 43): token counts that differ at real
+/// hidden sizes, a count off by 256, and the fused op with one row more.
+/// Every one of them differs by a multiple of 256 elements, which the
+/// 8-bit tag of issue 31 could not see (the shorter rank returned Ok, with
+/// wrong bits for two_stage and push_two_stage).
+#[derive(Clone, Copy, Debug)]
+enum Shape {
+    /// `rows x hidden` of `dtype`, rank 0 with `rows`, rank 1 with one more.
+    Plain {
+        rows: usize,
+        hidden: usize,
+        dtype: Dtype,
+    },
+    /// A plain f32 call of `count` elements on rank 0, `count + 256` on 1.
+    Plus256 { count: usize },
+    /// The fused op, bf16, `rows x hidden` on rank 0, one row more on 1.
+    Fused { rows: usize, hidden: usize },
+}
+
+const ENGINE_SHAPES: [Shape; 4] = [
+    Shape::Plain {
+        rows: 3,
+        hidden: 7168,
+        dtype: Dtype::Bf16,
+    },
+    Shape::Plain {
+        rows: 1,
+        hidden: 8192,
+        dtype: Dtype::F16,
+    },
+    Shape::Plus256 { count: 1000 },
+    Shape::Fused {
+        rows: 3,
+        hidden: 7168,
+    },
+];
+
+/// The algorithms each shape runs: every one for a plain call, the fused
+/// op's three for the fused one.
+fn shape_algorithms(s: Shape) -> &'static [Algorithm] {
+    match s {
+        Shape::Fused { .. } => &[Algorithm::OneStage, Algorithm::TwoStage, Algorithm::PushLl],
+        _ => &Algorithm::ALL,
+    }
+}
+
+impl Shape {
+    /// Rank `rank`'s call.
+    fn call(self, rank: usize, algo: Algorithm) -> CallDesc {
+        match self {
+            Shape::Plain {
+                rows,
+                hidden,
+                dtype,
+            } => CallDesc::plain((rows + rank) * hidden, dtype, algo),
+            Shape::Plus256 { count } => CallDesc::plain(count + 256 * rank, Dtype::F32, algo),
+            Shape::Fused { rows, hidden } => {
+                CallDesc::fused(rows + rank, hidden, Dtype::Bf16, algo)
+            }
+        }
+    }
+}
+
+/// Runs rank `rank`'s call of `shape` with `algo` on `stream`, eagerly or
+/// captured in a CUDA graph and launched once, and returns the check.
+fn engine_call(
+    group: &ProcessGroup,
+    stream: &Arc<CudaStream>,
+    shape: Shape,
+    rank: usize,
+    algo: Algorithm,
+    graph: bool,
+) -> Result<p2p_allreduce::Result<()>, String> {
+    let call = shape.call(rank, algo);
+    let n = call.count;
+    // The inputs: values spread over many binades (not zeros), outputs
+    // poisoned.
+    let vals: Vec<f32> = (0..n)
+        .map(|i| ((i % 97) as f32 - 48.0) * 0.37f32.powi((i % 13) as i32))
+        .collect();
+    let run = |f: &dyn Fn() -> p2p_allreduce::Result<Algorithm>| -> Result<p2p_allreduce::Result<()>, String> {
+        if !graph {
+            return Ok(f().map(|_| ()).and_then(|_| group.check(stream)));
+        }
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| e.to_string())?;
+        let r = f();
+        let g = stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| e.to_string())?;
+        r.map_err(|e| format!("during capture: {e}"))?;
+        let g = g.ok_or("empty graph")?;
+        g.launch().map_err(|e| e.to_string())?;
+        Ok(group.check(stream))
+    };
+    match (shape, call.dtype) {
+        (Shape::Fused { hidden, .. }, _) => {
+            let b = |v: &[f32]| {
+                v.iter()
+                    .map(|&x| half::bf16::from_f32(x))
+                    .collect::<Vec<_>>()
+            };
+            let x = stream.clone_htod(&b(&vals)).map_err(|e| e.to_string())?;
+            let res = stream.clone_htod(&b(&vals)).map_err(|e| e.to_string())?;
+            let gamma = filled(stream, half::bf16::from_f32(1.0), hidden)?;
+            let out = filled(stream, poison::<half::bf16>(), n)?;
+            let (res, out) = (std::cell::RefCell::new(res), std::cell::RefCell::new(out));
+            run(&|| {
+                group.allreduce_add_rmsnorm(
+                    stream,
+                    &x,
+                    &mut *res.borrow_mut(),
+                    &gamma,
+                    1e-6,
+                    &mut *out.borrow_mut(),
+                    algo.into(),
+                )
+            })
+        }
+        (_, Dtype::F32) => {
+            let x = stream.clone_htod(&vals).map_err(|e| e.to_string())?;
+            let y = std::cell::RefCell::new(filled(stream, poison::<f32>(), n)?);
+            run(&|| group.allreduce(stream, &x, &mut *y.borrow_mut(), algo.into()))
+        }
+        (_, Dtype::F16) => {
+            let v: Vec<half::f16> = vals.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let x = stream.clone_htod(&v).map_err(|e| e.to_string())?;
+            let y = std::cell::RefCell::new(filled(stream, poison::<half::f16>(), n)?);
+            run(&|| group.allreduce(stream, &x, &mut *y.borrow_mut(), algo.into()))
+        }
+        (_, Dtype::Bf16) => {
+            let v: Vec<half::bf16> = vals.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let x = stream.clone_htod(&v).map_err(|e| e.to_string())?;
+            let y = std::cell::RefCell::new(filled(stream, poison::<half::bf16>(), n)?);
+            run(&|| group.allreduce(stream, &x, &mut *y.borrow_mut(), algo.into()))
+        }
+    }
+}
+
+/// One process of the engine-shapes case (`P2P_IPC_MODE=engine_mismatch`):
+/// every shape of [`ENGINE_SHAPES`] x its algorithms x {eager, graph},
+/// rank 1 with the larger call; each must be `CallMismatch` naming the
+/// peer on both ranks (never Ok, never a plain timeout), then after a
+/// reset an agreed allreduce is bit-exact.
+pub(super) fn engine_child(rank: usize) -> Result<String, String> {
+    let env = |k: &str| std::env::var(k).map_err(|e| format!("{k}: {e}"));
+    let gpu: usize = env("P2P_IPC_GPU")?.parse().map_err(|e| format!("{e}"))?;
+    let dir = std::path::PathBuf::from(env("P2P_IPC_DIR")?);
+    let ctx = driver::open_device(gpu).map_err(|e| e.to_string())?;
+    // Graph capture of staged calls on cudarc slices: no event tracking
+    // (one stream per process).
+    // SAFETY: this process uses one stream for every slice.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let es = |e: Error| e.to_string();
+    let ex = DirExchange::new(&dir, rank, 2, Duration::from_secs(60)).map_err(es)?;
+    let config = Config {
+        max_bytes: 256 << 10,
+        timeout: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let group = ProcessGroup::new(&ctx, &ex, config).map_err(es)?;
+    let mut n = 0;
+    let mut round = 0u8;
+    for shape in ENGINE_SHAPES {
+        for &algo in shape_algorithms(shape) {
+            for graph in [false, true] {
+                let what = format!(
+                    "{} against {}{}",
+                    shape.call(0, algo),
+                    shape.call(1, algo),
+                    if graph { " (graph)" } else { "" }
+                );
+                match engine_call(&group, &stream, shape, rank, algo, graph)? {
+                    Err(Error::CallMismatch {
+                        peer, mine, theirs, ..
+                    }) if peer as usize == 1 - rank => {
+                        let want = shape.call(rank, algo);
+                        if mine.call != Some(want) || mine.tag != want.tag() {
+                            return Err(format!(
+                                "{what}: this rank's call named {mine}, want {want}"
+                            ));
+                        }
+                        if theirs.tag != shape.call(1 - rank, algo).tag() {
+                            return Err(format!(
+                                "{what}: the peer's tag {theirs} is not its call's"
+                            ));
+                        }
+                    }
+                    other => {
+                        return Err(format!(
+                            "rank {rank}, {what}: expected CallMismatch naming {}, got {other:?}",
+                            1 - rank
+                        ))
+                    }
+                }
+                round = round.wrapping_add(1);
+                ex.all_gather(&[round]).map_err(es)?;
+                group.reset().map_err(es)?;
+                ex.all_gather(&[round]).map_err(es)?;
+                ipc_allreduce(&group, &stream, 7168, 300 + n, algo).map_err(es)?;
+                n += 1;
+            }
+        }
+    }
+    Ok(format!(
+        "rank {rank}: {n} engine-shape disagreements (3x7168 vs 4x7168 bf16, 1x8192 vs 2x8192 f16, \
+         1000 vs 1256 f32 on every algorithm; fused 3 vs 4 rows of 7168 on one_stage, two_stage, \
+         push_ll; eager and graph) were CallMismatch on this rank, then exact after reset"
+    ))
+}
+
+/// Two processes (GPU 0 and 1, or both on GPU 0), [`engine_child`].
+pub(super) fn engine_processes(_g: &Gpu) {
+    let n = driver::device_count().expect("device count");
+    let dir = ipc_dir("engine-mismatch");
+    for text in run_ranks(
+        "engine_mismatch",
+        &[0, 1 % n],
+        &dir,
+        Duration::from_secs(300),
+    ) {
+        println!("  {text}");
+    }
+}

@@ -80,19 +80,19 @@ unsafe fn block_barrier_among<const N: usize>(
         sync_threads();
     }
     let tid = thread_idx_x();
-    let tag = tagged(epoch, a, rank);
+    let word = flag_word(epoch, a, rank);
     let mut failed = false;
     if tid >= first && tid - first < count && (tid as usize) < N {
         arrive_ordered(
             // SAFETY: `pick` returns peer `tid`'s signal (tid < N), and
             // block < MAX_BLOCKS, rank < N <= MAX_RANKS (caller contract).
             unsafe { flag(pick::<N>(signals, tid), kind, epoch, block, rank) },
-            tag,
+            word,
             order,
         );
         // SAFETY: own signal, block < MAX_BLOCKS, tid < N <= MAX_RANKS.
         let own = unsafe { flag(own_sig, kind, epoch, block, tid) };
-        if wait_ordered(own, tag, timeout_ns, &mut GlobalTimer, order) == Wait::TimedOut {
+        if wait_ordered(own, word, timeout_ns, &mut GlobalTimer, order) == Wait::TimedOut {
             // SAFETY: `own_sig` is this rank's own signal (caller contract).
             unsafe {
                 record_error(
@@ -103,7 +103,8 @@ unsafe fn block_barrier_among<const N: usize>(
                     block,
                     tid,
                     epoch,
-                    ErrorRecord::timed_out_at(kind, tag, epoch),
+                    kind as u32,
+                    tag_of(a, rank),
                 )
             };
             failed = true;

@@ -6,20 +6,21 @@
 // raised.
 
 /// The flag that `from` writes into the signal at `sig` in collectives of
-/// epoch parity `parity & 1`.
+/// epoch parity `parity & 1` (a 64-bit word, `abi::flag_word`).
 ///
 /// # Safety
 /// `sig` must be the address of a [`Signal`] that stays mapped for `'a`,
 /// `block < MAX_BLOCKS` and `from < MAX_RANKS`, and the flag must be
 /// accessed only atomically while the reference lives.
 #[inline(always)]
-unsafe fn flag<'a>(sig: u64, kind: BarrierKind, parity: u32, block: u32, from: u32) -> &'a AtomicU32 {
+unsafe fn flag<'a>(sig: u64, kind: BarrierKind, parity: u32, block: u32, from: u32) -> &'a AtomicU64 {
     // SAFETY: `sig` is a Signal (caller contract) and the offset stays inside
-    // it because block < MAX_BLOCKS and from < MAX_RANKS; flags are 4-byte
-    // aligned u32s, which AtomicU32 may alias.
+    // it because block < MAX_BLOCKS and from < MAX_RANKS; flags are 8-byte
+    // aligned u64s (the Signal is 128-byte aligned), which AtomicU64 may
+    // alias.
     unsafe {
         &*((sig as usize + Signal::flag_offset(kind, parity as usize & 1, block as usize, from as usize))
-            as *const AtomicU32)
+            as *const AtomicU64)
     }
 }
 
@@ -42,6 +43,7 @@ unsafe fn record_error(
     peer: u32,
     epoch: u32,
     barrier: u32,
+    tag: u32,
 ) {
     let rec = (own_sig as usize + Signal::ERROR_OFFSET) as *mut ErrorRecord;
     // SAFETY: `rec` is the error record inside this rank's own signal (caller
@@ -54,6 +56,7 @@ unsafe fn record_error(
             write_volatile(core::ptr::addr_of_mut!((*rec).peer), peer);
             write_volatile(core::ptr::addr_of_mut!((*rec).epoch), epoch);
             write_volatile(core::ptr::addr_of_mut!((*rec).barrier), barrier);
+            write_volatile(core::ptr::addr_of_mut!((*rec).tag), tag);
             // The record is visible (system scope) before the mailbox says so.
             thread_fence_system();
             if host_error != 0 {

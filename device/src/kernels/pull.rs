@@ -75,6 +75,7 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
                     0,
                     0,
                     0,
+                    0,
                 )
             };
         }
@@ -111,6 +112,7 @@ unsafe fn allreduce<E: Element, const N: usize, const TWO_STAGE: bool>(a: &Launc
                     error_code::UNREGISTERED,
                     rank,
                     block,
+                    0,
                     0,
                     0,
                     0,

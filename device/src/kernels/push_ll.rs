@@ -152,13 +152,19 @@ pub(super) unsafe fn ll_send<E: Element, const N: usize, const WHOLE: bool>(
     if N == 1 {
         return;
     }
-    let packs = a.count.div_ceil(E::LANES as u64);
+    // An empty plain call still sends one (all-padding) pack, so that every
+    // rank hears from every peer under the call's tag ([`exchanged_packs`]).
+    let packs = if WHOLE {
+        a.count.div_ceil(E::LANES as u64)
+    } else {
+        exchanged_packs::<E>(a.count)
+    };
     let mut i = g;
     if i >= packs {
         return;
     }
     let (mut a1, mut a2) = first;
-    let tag = tagged(epoch, a, rank);
+    let tag = ll_highs(epoch, a, rank);
     let part = ll::slot(epoch, N as u64, rank as u64, a.landing_part);
     let mut dst = [0u64; MAX_RANKS];
     let mut p = 0;
@@ -233,6 +239,22 @@ pub(super) unsafe fn ld_own<E: Element, const WHOLE: bool>(base: u64, i: u64, co
     }
 }
 
+/// LL packs a plain push_ll launch of `count` elements exchanges:
+/// `ceil(count / lanes)`, and one for an empty call (all padding: nothing
+/// is loaded or stored for it), so that no rank finishes a call without a
+/// pack from every peer carrying the call's tag. A rank whose call is
+/// empty while a peer's is not then times out on the peer's pack of
+/// another tag (`CallMismatch`) instead of returning with no word at all.
+#[inline(always)]
+pub(super) fn exchanged_packs<E: Element>(count: u64) -> u64 {
+    let packs = count.div_ceil(E::LANES as u64);
+    if packs == 0 {
+        1
+    } else {
+        packs
+    }
+}
+
 /// Stores the lines of pack `i` into every peer's part (`dst[p]`).
 #[inline(always)]
 fn send_lines<const N: usize>(dst: &[u64; MAX_RANKS], rank: u32, i: u64, lines: ll::Lines) {
@@ -255,7 +277,7 @@ fn send_lines<const N: usize>(dst: &[u64; MAX_RANKS], rank: u32, i: u64, lines: 
 /// # Safety
 /// As for [`allreduce`], except that only this rank's input in the table is
 /// read; `a.landing_part` is a multiple of 32 and at least
-/// `ceil(a.count / lanes) * 32`, the same on every rank; and every rank's
+/// `exchanged_packs(a.count) * 32`, the same on every rank; and every rank's
 /// signal allocation holds an LL landing zone of `2 * N * a.landing_part`
 /// bytes at `a.landing_offset` (a multiple of 32), past the [`Signal`],
 /// used by no other algorithm.
@@ -275,7 +297,7 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
         return;
     };
 
-    let packs = a.count.div_ceil(E::LANES as u64);
+    let packs = exchanged_packs::<E>(a.count);
     let g = (block * nthreads + tid) as u64;
     let stride = (nblocks * nthreads) as u64;
     let part = |src: u64| ll::slot(epoch, N as u64, src, a.landing_part);
@@ -300,7 +322,7 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
     // Phase 2: wait for each peer's packs in this rank's zone, in rank
     // order, and reduce them with this rank's own input.
     let zone = own_sig + a.landing_offset;
-    let tag = tagged(epoch, a, rank);
+    let tag = ll_highs(epoch, a, rank);
     let output = pick::<N>(&a.outputs, rank);
     let mut i = g;
     while i < packs {
@@ -330,7 +352,8 @@ unsafe fn allreduce_push_ll<E: Element, const N: usize>(a: &LaunchArgs, rank: u3
                                 block,
                                 r as u32,
                                 epoch,
-                                ErrorRecord::timed_out_at(BarrierKind::Start, tag, epoch),
+                                BarrierKind::Start as u32,
+                                tag_of(a, rank),
                             )
                         };
                         return;

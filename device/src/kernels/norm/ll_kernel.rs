@@ -119,6 +119,7 @@ unsafe fn ll_rows<E: Element, const N: usize, const SPLIT: bool>(
                     0,
                     0,
                     0,
+                    0,
                 )
             };
         }
@@ -152,7 +153,8 @@ unsafe fn ll_rows<E: Element, const N: usize, const SPLIT: bool>(
         zone: own_sig + a.landing_offset,
         landing_part: a.landing_part,
         epoch,
-        tag: tagged(epoch, a, rank),
+        tag: ll_highs(epoch, a, rank),
+        call_tag: tag_of(a, rank),
         rank,
         count: a.count,
         timeout_ns: a.timeout_ns,

@@ -17,8 +17,10 @@ struct LlSums<const N: usize> {
     zone: u64,
     landing_part: u64,
     epoch: u32,
-    /// What this rank's peers' words carry ([`tagged`]).
-    tag: u32,
+    /// What this rank's peers' words carry ([`ll_highs`]).
+    tag: crate::ll::Highs,
+    /// The call tag this rank carries, for its error record.
+    call_tag: u32,
     rank: u32,
     /// `count` of the launch: the last pack is zero-padded past it.
     count: u64,
@@ -100,7 +102,8 @@ impl<const N: usize> LlSums<N> {
                             self.block,
                             r as u32,
                             self.epoch,
-                            ErrorRecord::timed_out_at(BarrierKind::Start, self.tag, self.epoch),
+                            BarrierKind::Start as u32,
+                            self.call_tag,
                         )
                     };
                 }

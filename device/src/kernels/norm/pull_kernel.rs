@@ -134,7 +134,7 @@ unsafe fn allreduce_rmsnorm<E: Element, const N: usize, const TWO_STAGE: bool>(
     if code != error_code::NONE {
         if tid == 0 {
             // SAFETY: `own_sig` is this rank's own signal (contract).
-            unsafe { record_error(own_sig, a.host_error, code, rank, block, 0, 0, 0) };
+            unsafe { record_error(own_sig, a.host_error, code, rank, block, 0, 0, 0, 0) };
         }
         return;
     }
