@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 43's device runs (one GPU), from the repo root on the GPU machine,
+# with release binaries built by `scripts/gpu-check.sh build` in .carry/bin
+# and the binary of the commit to compare against as
+# .carry/bin/p2p-allreduce-base. Logs go to $OUT (default ./gpu-logs).
+#
+#   scripts/issue43-device.sh suite   # GPU suite, then base/new benches alternated
+#   scripts/issue43-device.sh sanitize   # compute-sanitizer over the changed kernels
+#   scripts/issue43-device.sh sanitize2  # the same over the two-process engine shapes, the fused op
+#   scripts/issue43-device.sh python  # the torch package's GPU tests (carried wheel)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+B=.carry/bin
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+status=0
+step() { # name timeout command...
+  local name=$1 t=$2; shift 2
+  echo "== $name ($(date +%T))"
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1 || { echo "== $name: FAILED (exit $?)"; status=1; }
+  tail -n 3 "$OUT/$name.log"
+}
+case "${1:-}" in
+suite)
+  nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
+  step gpu-suite 330 "$B/test-gpu"
+  grep -E "^test |^gpu:" "$OUT/gpu-suite.log"
+  # Cost: base and new alternated, virtual ranks, 4 KiB and 64 KiB.
+  for i in 1 2 3; do
+    for v in base new; do
+      bin=$B/p2p-allreduce; [ "$v" = base ] && bin=$B/p2p-allreduce-base
+      step "bench-$v-$i" 100 "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --json "$OUT/bench-$v-$i.json"
+    done
+  done
+  ;;
+sanitize)
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer)
+  san() { local name=$1 tool=$2; shift 2; local extra=()
+    [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+    step "san-$name-$tool" 200 "$CS" --tool "$tool" "${extra[@]}" --error-exitcode 1 --print-limit 20 "$@"; }
+  for tool in memcheck racecheck synccheck initcheck; do
+    san check-quick "$tool" "$B/p2p-allreduce" check --quick
+    san injected "$tool" "$B/test-gpu" ranks_that_disagree_injected
+    san peer-group "$tool" "$B/test-gpu" peer_group_one_gpu
+  done
+  san fused-split racecheck "$B/test-gpu" fused_push_ll_split
+  ;;
+sanitize2)
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer)
+  san() { local name=$1 tool=$2; shift 2; local extra=()
+    [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+    step "san-$name-$tool" 240 "$CS" --tool "$tool" "${extra[@]}" --error-exitcode 1 --print-limit 20 "$@"; }
+  for tool in memcheck synccheck; do
+    san engine-shapes "$tool" "$B/test-gpu" ranks_that_disagree_at_engine
+  done
+  san fused memcheck "$B/test-gpu" fused_add_rmsnorm_bit_exact
+  ;;
+python)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/p2p-site .carry/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/p2p-site PYTHONUNBUFFERED=1
+  step python-gpu-tests 500 bash -c 'cd python/tests && python3 -m unittest -v test_gpu'
+  cat "$OUT/python-gpu-tests.log" | tail -n 40
+  ;;
+*) echo "usage: $0 suite|sanitize|sanitize2|python" >&2; exit 2 ;;
+esac
+exit $status
