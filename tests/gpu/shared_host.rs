@@ -124,6 +124,59 @@ fn registered_round(
     Ok(())
 }
 
+/// Allocation sizes (cuMemAlloc) whose mappings in the peer are compared
+/// with what the driver reports for them.
+const SIZES: [usize; 4] = [4096 + 16, 1 << 20, (3 << 20) + 123, 8 << 20];
+
+/// What the checks rest on: each rank exports allocations of [`SIZES`],
+/// maps the peer's, and reads the mappings' sizes as the checks do. A
+/// mapping reported smaller than its allocation would refuse honest peers
+/// (an error here); one reported larger (the driver's granularity) is
+/// printed. Also times the size query the checks add per mapping.
+fn mapping_sizes(ctx: &Arc<CudaContext>, ex: &DirExchange) -> Result<String, String> {
+    let es = |e: Error| e.to_string();
+    let mine: Vec<driver::DeviceAlloc> = SIZES
+        .iter()
+        .map(|&n| driver::DeviceAlloc::zeroed(ctx, n))
+        .collect::<p2p_allreduce::Result<_>>()
+        .map_err(es)?;
+    let mut record = Vec::new();
+    for a in &mine {
+        record.extend_from_slice(&driver::ipc_export(ctx, a.ptr()).map_err(es)?);
+    }
+    let all = ex.all_gather(&record).map_err(es)?;
+    let theirs = &all[1 - ex.rank()];
+    let mut seen = Vec::new();
+    let mut query = Duration::ZERO;
+    for (k, &n) in SIZES.iter().enumerate() {
+        let h: [u8; driver::IPC_HANDLE_BYTES] = theirs
+            .get(k * driver::IPC_HANDLE_BYTES..(k + 1) * driver::IPC_HANDLE_BYTES)
+            .and_then(|b| b.try_into().ok())
+            .ok_or("the peer sent a short record")?;
+        let m = driver::IpcMapping::open(ctx, &h).map_err(es)?;
+        if (m.bytes() as usize) < n {
+            return Err(format!(
+                "a mapping of a {n}-byte allocation is reported as {} bytes: honest peers would be refused",
+                m.bytes()
+            ));
+        }
+        let t = Instant::now();
+        for _ in 0..1000 {
+            driver::address_range(ctx, m.ptr()).map_err(es)?;
+        }
+        query += t.elapsed();
+        seen.push(format!("{n} -> {}", m.bytes()));
+    }
+    // Neither rank frees its allocations while the other has them mapped.
+    ex.all_gather(b"unmapped").map_err(es)?;
+    drop(mine);
+    Ok(format!(
+        "mapped sizes (allocated -> reported) {}; cuMemGetAddressRange {:.2} us per mapping",
+        seen.join(", "),
+        query.as_secs_f64() * 1e6 / (1000 * SIZES.len()) as f64
+    ))
+}
+
 /// One rank of the two-process case (`P2P_IPC_MODE=shared_host`).
 pub(super) fn child(rank: usize) -> Result<String, String> {
     let env = |k: &str| std::env::var(k).map_err(|e| format!("{k}: {e}"));
@@ -143,7 +196,7 @@ pub(super) fn child(rank: usize) -> Result<String, String> {
             ProcessGroup::new(&ctx, ex, cfg())
         }
     };
-    let mut lines = Vec::new();
+    let mut lines = vec![mapping_sizes(&ctx, &exchange("sizes")?)?];
 
     // 1. A staging allocation of 1 MiB behind a record that says 8 MiB:
     //    the group does not form, on either rank.
@@ -240,10 +293,15 @@ pub(super) fn child(rank: usize) -> Result<String, String> {
     // 4. The context survives: a later group of honest ranks runs every
     //    algorithm bit-exact, and registers and reads a buffer.
     let ex = exchange("later")?;
+    let t = Instant::now();
     let group = ProcessGroup::new(&ctx, &ex, cfg()).map_err(es)?;
+    let formed = t.elapsed();
     fault_rounds(&group, &stream)?;
     registered_round(&ctx, &group, &ex, &stream, 100_003, 73)?;
-    lines.push("later group: every algorithm and a registered buffer bit-exact".into());
+    lines.push(format!(
+        "later group (formed in {:.1} ms): every algorithm and a registered buffer bit-exact",
+        formed.as_secs_f64() * 1e3
+    ));
     Ok(format!("rank {rank}: {}", lines.join("; ")))
 }
 
