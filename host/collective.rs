@@ -53,11 +53,23 @@ impl RankBuffers {
     /// the landing zone of push collectives in a group of `world` ranks
     /// (one allocation, so one IPC handle maps both).
     pub(crate) fn new(ctx: &Arc<CudaContext>, config: &Config, world: usize) -> Result<Self> {
+        let [staging, scratch, signal] = Self::sizes(config, world);
         Ok(RankBuffers {
-            staging: DeviceAlloc::zeroed(ctx, config.max_bytes)?,
-            scratch: DeviceAlloc::zeroed(ctx, config.max_bytes)?,
-            signal: DeviceAlloc::zeroed(ctx, Signal::LANDING_OFFSET + config.landing_bytes(world))?,
+            staging: DeviceAlloc::zeroed(ctx, staging)?,
+            scratch: DeviceAlloc::zeroed(ctx, scratch)?,
+            signal: DeviceAlloc::zeroed(ctx, signal)?,
         })
+    }
+
+    /// Bytes of the staging, scratch and signal allocations of a rank
+    /// with `config` in a group of `world` ranks: what the kernels may
+    /// touch in each (a peer's mapped buffers are checked against them).
+    pub(crate) fn sizes(config: &Config, world: usize) -> [usize; 3] {
+        [
+            config.max_bytes,
+            config.max_bytes,
+            Signal::LANDING_OFFSET + config.landing_bytes(world),
+        ]
     }
 }
 

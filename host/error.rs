@@ -288,6 +288,37 @@ pub enum Error {
     )]
     CaptureInvalidated { cause: String },
 
+    // --- Issue 48: a host shared with other users.
+    #[error(
+        "{what} {path} {reason}: whoever can write there can hand this group records that aim its kernels \
+         at memory that is not a peer's buffer, so nothing in it was read. Use a rendezvous directory that \
+         only this user owns and can write (mode 0700, not a symbolic link), e.g. a fresh one from \
+         `mktemp -d` or under $XDG_RUNTIME_DIR, on every rank"
+    )]
+    UnsafeRendezvous {
+        /// "the rendezvous directory", or whose record file.
+        what: String,
+        path: std::path::PathBuf,
+        reason: String,
+    },
+
+    #[error(
+        "rank {rank}: rank {peer}'s {what} claims {bytes} bytes at offset {offset}, but the allocation its CUDA \
+         IPC handle maps here holds {mapped} bytes from there on: a corrupted or forged record, or a peer of \
+         another build. Nothing was launched on it: start every rank from the same build with the same \
+         Config, in a private rendezvous directory"
+    )]
+    PeerBufferTooSmall {
+        rank: usize,
+        peer: usize,
+        what: &'static str,
+        offset: u64,
+        bytes: u64,
+        /// Bytes of the peer's allocation as mapped here, from the address
+        /// `cuIpcOpenMemHandle` returned to the allocation's end.
+        mapped: u64,
+    },
+
     #[error("rank {rank} is outside the {ranks} ranks of these registered buffers: use ranks 0..{ranks}")]
     RankOutOfRange { rank: usize, ranks: usize },
 

@@ -140,6 +140,17 @@ impl InProcessExchange {
 /// owner only) and waits for the others' files. The directory is created
 /// with mode 0700 if it does not exist; use a fresh one per group.
 ///
+/// The records hold CUDA IPC handles, and the kernels write where the
+/// peers' records point, so the directory must be private (on a host
+/// shared with other users, in a shared `/tmp`): `DirExchange::new` refuses
+/// (`Error::UnsafeRendezvous`) a directory that is a symbolic link, is not
+/// owned by this process's user, or that group or others may write to,
+/// and makes one it keeps readable by its owner only (mode 0700). Record
+/// files are opened without following symbolic links and taken only when
+/// they are regular files owned by this user (else the same error, and
+/// nothing is read from them). Each round checks that the directory is
+/// still the one `new` checked.
+///
 /// Records left in the directory by an earlier run are not taken for this
 /// run's: every file starts with a header naming its writer (process id,
 /// the process's start time, and a number drawn for each `DirExchange`),
@@ -166,6 +177,8 @@ pub struct DirExchange {
     me: Writer,
     /// The writer of each rank's records, from the first round it was seen.
     known: Mutex<Vec<Option<Writer>>>,
+    /// The directory `new` checked (device and inode).
+    id: DirId,
 }
 
 /// Who wrote a record: a process (id and start time, so a reused id is
@@ -259,6 +272,165 @@ fn process_start(pid: u32) -> Option<u64> {
     parse_stat(&stat).map(|(_, start)| start)
 }
 
+/// Which directory a path named when it was checked: (device, inode).
+type DirId = (u64, u64);
+
+/// The effective user id of this process (who owns what it creates).
+#[cfg(unix)]
+fn this_user() -> u32 {
+    // SAFETY: geteuid takes nothing, cannot fail and touches no memory of ours.
+    unsafe { libc::geteuid() }
+}
+
+/// `Error::UnsafeRendezvous` for the rendezvous directory `dir`.
+fn unsafe_dir(dir: &Path, reason: String) -> Error {
+    Error::UnsafeRendezvous {
+        what: "the rendezvous directory".into(),
+        path: dir.to_path_buf(),
+        reason,
+    }
+}
+
+/// Why a file of `uid` and `mode` may not serve as a rendezvous directory
+/// (or, `dir` false, as a record) of this user: `None` where it may.
+#[cfg(unix)]
+fn not_private(uid: u32, mode: u32, dir: bool) -> Option<String> {
+    let me = this_user();
+    if uid != me {
+        return Some(format!(
+            "is owned by user {uid}, not by this process's user {me}"
+        ));
+    }
+    if dir && mode & 0o022 != 0 {
+        return Some(format!(
+            "has mode {:04o}: group or others may write to it",
+            mode & 0o7777
+        ));
+    }
+    None
+}
+
+/// Creates `dir` (mode 0700, with any missing parents) where it is
+/// missing, checks that it is a private directory of this user (see
+/// [`DirExchange`]) and makes it readable by its owner only; returns which
+/// directory it is.
+fn private_dir(dir: &Path) -> Result<DirId> {
+    let failed =
+        |what: &str, e: std::io::Error| Error::Rendezvous(format!("{what} {}: {e}", dir.display()));
+    match std::fs::symlink_metadata(dir) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut b = std::fs::DirBuilder::new();
+            b.recursive(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::DirBuilderExt;
+                b.mode(0o700);
+            }
+            b.create(dir).map_err(|e| failed("creating", e))?;
+        }
+        Err(e) => return Err(failed("reading", e)),
+    }
+    let id = checked_dir(dir)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let m = std::fs::symlink_metadata(dir).map_err(|e| failed("reading", e))?;
+        // Only this user may read the handles (they grant access to GPU memory).
+        if m.mode() & 0o077 != 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| failed("making private (mode 0700)", e))?;
+        }
+    }
+    Ok(id)
+}
+
+/// Checks that `dir` is a directory, not a symbolic link, owned by this
+/// user and writable by no one else; returns which directory it is.
+fn checked_dir(dir: &Path) -> Result<DirId> {
+    let m = std::fs::symlink_metadata(dir)
+        .map_err(|e| Error::Rendezvous(format!("reading {}: {e}", dir.display())))?;
+    if m.file_type().is_symlink() {
+        return Err(unsafe_dir(dir, "is a symbolic link".into()));
+    }
+    if !m.is_dir() {
+        return Err(unsafe_dir(dir, "is not a directory".into()));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let Some(why) = not_private(m.uid(), m.mode(), true) {
+            return Err(unsafe_dir(dir, why));
+        }
+        Ok((m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    Ok((0, 0))
+}
+
+/// Removes the file `path` (a link itself, never what it points to) if it is there.
+fn remove_if_there(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::Rendezvous(format!(
+            "removing {}: {e}",
+            path.display()
+        ))),
+    }
+}
+
+/// Rank `rank`'s record file `path`, if there: opened without following a
+/// symbolic link, and read only when it is a regular file owned by this
+/// user (`Error::UnsafeRendezvous` otherwise, nothing read).
+fn read_record(path: &Path, rank: usize) -> Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let refuse = |reason: String| Error::UnsafeRendezvous {
+        what: format!("rank {rank}'s record"),
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        // No link followed; a FIFO planted as a record does not block the open.
+        opts.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    }
+    let mut f = match opts.open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        #[cfg(unix)]
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(refuse("is a symbolic link".into()))
+        }
+        Err(e) => {
+            return Err(Error::Rendezvous(format!(
+                "reading {}: {e}",
+                path.display()
+            )))
+        }
+    };
+    let m = f
+        .metadata()
+        .map_err(|e| Error::Rendezvous(format!("reading {}: {e}", path.display())))?;
+    if !m.is_file() {
+        return Err(refuse("is not a regular file".into()));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let Some(why) = not_private(m.uid(), m.mode(), false) {
+            return Err(refuse(why));
+        }
+    }
+    let mut b = Vec::new();
+    f.read_to_end(&mut b)
+        .map_err(|e| Error::Rendezvous(format!("reading {}: {e}", path.display())))?;
+    Ok(Some(b))
+}
+
 /// Why a rank's file was not taken.
 enum NotTaken {
     /// Not taken (stale, corrupt, another rendezvous): wait on.
@@ -268,43 +440,42 @@ enum NotTaken {
 }
 
 impl DirExchange {
+    /// Rank `rank` of `world` meeting in `dir` (created, mode 0700, where
+    /// missing); `timeout` bounds each round. `Error::UnsafeRendezvous`
+    /// for a directory others could write records into (see the type).
     pub fn new(dir: &Path, rank: usize, world: usize, timeout: Duration) -> Result<Self> {
         if rank >= world {
             return Err(Error::Config(format!(
                 "rank {rank} is outside a world of {world}"
             )));
         }
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::Rendezvous(format!("creating {}: {e}", dir.display())))?;
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            // Only this user may read the handles (they grant access to GPU memory).
-            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
-        }
+        // Without a trailing `/`, which would make lstat follow a link.
+        let dir: PathBuf = dir.components().collect();
+        let id = private_dir(&dir)?;
         // This rank's records of an earlier run (of this or an exited
         // process) must not be taken for this run's by a fast peer.
         let own = format!(".rank-{rank}");
         let tmp = format!(".rank-{rank}.");
-        if let Ok(entries) = std::fs::read_dir(dir) {
-            for e in entries.flatten() {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                if (name.starts_with("round-") && name.ends_with(&own))
-                    || (name.starts_with(".round-") && name.contains(&tmp))
-                {
-                    let _ = std::fs::remove_file(e.path());
-                }
+        let entries = std::fs::read_dir(&dir)
+            .map_err(|e| Error::Rendezvous(format!("listing {}: {e}", dir.display())))?;
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if (name.starts_with("round-") && name.ends_with(&own))
+                || (name.starts_with(".round-") && name.contains(&tmp))
+            {
+                remove_if_there(&e.path())?;
             }
         }
         Ok(DirExchange {
-            dir: dir.to_path_buf(),
+            dir,
             rank,
             world,
             timeout,
             round: Mutex::new(0),
             me: Writer::this_one(),
             known: Mutex::new(vec![None; world]),
+            id,
         })
     }
 
@@ -412,18 +583,28 @@ impl DirExchange {
         let io = |what: &str, p: &Path, e: std::io::Error| {
             Error::Rendezvous(format!("{what} {}: {e}", p.display()))
         };
+        // Still the directory `new` checked (not replaced since, nor
+        // opened up to others).
+        if checked_dir(&self.dir)? != self.id {
+            return Err(unsafe_dir(
+                &self.dir,
+                "was replaced by another directory after the rendezvous began".into(),
+            ));
+        }
         let tmp = self.dir.join(format!(
             ".round-{round}.rank-{}.{}",
             self.rank,
             std::process::id()
         ));
+        remove_if_there(&tmp)?;
         {
             let mut opts = std::fs::OpenOptions::new();
-            opts.write(true).create(true).truncate(true);
+            // A new file: never one (or a link) already there.
+            opts.write(true).create_new(true);
             #[cfg(unix)]
             {
                 use std::os::unix::fs::OpenOptionsExt;
-                opts.mode(0o600);
+                opts.mode(0o600).custom_flags(libc::O_NOFOLLOW);
             }
             use std::io::Write;
             let mut f = opts.open(&tmp).map_err(|e| io("writing", &tmp, e))?;
@@ -447,16 +628,14 @@ impl DirExchange {
                     continue;
                 }
                 let path = self.path(round, r);
-                match std::fs::read(&path) {
-                    Ok(b) => match self.take(r, &b, &mut known) {
+                if let Some(b) = read_record(&path, r)? {
+                    match self.take(r, &b, &mut known) {
                         Ok(payload) => *slot = Some(payload.to_vec()),
                         Err(NotTaken::Skip(why)) => skipped[r] = Some(why),
                         Err(NotTaken::Exited(pid)) => {
                             return Err(Error::PeerExited { rank: r, pid })
                         }
-                    },
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(io("reading", &path, e)),
+                    }
                 }
             }
             if out.iter().all(Option::is_some) {
@@ -718,6 +897,193 @@ mod tests {
         assert!(!dir.join(".round-2.rank-0.99").exists());
         assert!(dir.join("round-1.rank-1").exists());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `got` must be `UnsafeRendezvous` about `what` whose reason holds `why`.
+    fn expect_unsafe<T>(got: Result<T>, what: &str, why: &str) {
+        match got {
+            Err(
+                ref e @ Error::UnsafeRendezvous {
+                    what: ref w,
+                    ref reason,
+                    ..
+                },
+            ) => {
+                assert!(w.contains(what), "{e}");
+                assert!(reason.contains(why), "{e}");
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("mode 0700"),
+                    "the message says what to do: {msg}"
+                );
+            }
+            Err(other) => panic!("expected UnsafeRendezvous ({what}: {why}), got {other:?}"),
+            Ok(_) => panic!("expected UnsafeRendezvous ({what}: {why}), got Ok"),
+        }
+    }
+
+    /// A private directory with rank 0's record of an earlier run in it
+    /// (which `new` removes) and rank 1's record of this run (which a
+    /// round would take): so a refused directory shows nothing was read
+    /// or removed.
+    fn planted(what: &str) -> PathBuf {
+        let dir = tmp_dir(what);
+        let me = Writer::this_one();
+        forge_dir_record(&dir, 1, 0, me.pid, me.start, b"rank 0, old");
+        forge_dir_record(&dir, 1, 1, me.pid, me.start, b"rank 1, now");
+        dir
+    }
+
+    fn untouched(dir: &Path) {
+        assert!(dir.join("round-1.rank-0").exists(), "new removed a record");
+        assert!(dir.join("round-1.rank-1").exists());
+    }
+
+    /// Issue 48: a rendezvous directory owned by another user is refused,
+    /// nothing in it read or removed. As root (CI), the directory is
+    /// given to `nobody` (65534); otherwise `/` stands for another user's
+    /// directory where root owns it.
+    #[cfg(unix)]
+    #[test]
+    fn a_directory_of_another_user_is_refused() {
+        use std::os::unix::fs::MetadataExt;
+        if this_user() == 0 {
+            let dir = planted("other-user");
+            std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).expect("chown");
+            let mode = std::fs::metadata(&dir).expect("meta").mode();
+            let got = DirExchange::new(&dir, 0, 2, Duration::from_secs(1));
+            expect_unsafe(got, "rendezvous directory", "owned by user 65534");
+            untouched(&dir);
+            assert_eq!(std::fs::metadata(&dir).expect("meta").mode(), mode);
+            let _ = std::fs::remove_dir_all(&dir);
+        } else {
+            let root = Path::new("/");
+            match std::fs::metadata(root) {
+                Ok(m) if m.uid() != this_user() => {
+                    let got = DirExchange::new(root, 0, 2, Duration::from_secs(1));
+                    expect_unsafe(got, "rendezvous directory", "owned by user");
+                }
+                _ => println!(
+                    "SKIPPED (not root, so no directory can be given to another user, and / is this user's)"
+                ),
+            }
+        }
+    }
+
+    /// Issue 48: a directory that group or others may write to is refused
+    /// (0777 and 0770 alike), nothing in it read or removed, its mode left
+    /// as it was; one of this user's that only its owner may write (0755)
+    /// is taken and made private (0700).
+    #[cfg(unix)]
+    #[test]
+    fn a_directory_others_may_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |d: &Path| std::fs::metadata(d).expect("meta").permissions().mode() & 0o7777;
+        for m in [0o777, 0o770, 0o1777] {
+            let dir = planted(&format!("mode-{m:o}"));
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(m)).expect("chmod");
+            let got = DirExchange::new(&dir, 0, 2, Duration::from_secs(1));
+            expect_unsafe(got, "rendezvous directory", "group or others may write");
+            untouched(&dir);
+            assert_eq!(mode(&dir), m);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let dir = planted("mode-755");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let ex = DirExchange::new(&dir, 0, 2, Duration::from_secs(1)).expect("new");
+        assert_eq!(mode(&dir), 0o700);
+        assert!(!dir.join("round-1.rank-0").exists());
+        forge_dir_record(&dir, 1, 1, ex.me.pid, ex.me.start, b"rank 1, now");
+        assert_eq!(ex.all_gather(b"x").expect("round 1")[1], b"rank 1, now");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 48: a symbolic link as the directory (with or without a
+    /// trailing `/`) is refused, even to a private directory of this user.
+    #[cfg(unix)]
+    #[test]
+    fn a_symbolic_link_as_the_directory_is_refused() {
+        let dir = planted("link-target");
+        let link = tmp_dir("link");
+        std::os::unix::fs::symlink(&dir, &link).expect("symlink");
+        for path in [link.clone(), link.join("")] {
+            let got = DirExchange::new(&path, 0, 2, Duration::from_secs(1));
+            expect_unsafe(got, "rendezvous directory", "symbolic link");
+        }
+        untouched(&dir);
+        // A missing directory is made private (0700) through missing parents.
+        let fresh = tmp_dir("fresh").join("a").join("b");
+        DirExchange::new(&fresh, 0, 1, Duration::from_secs(1)).expect("new");
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let m = std::fs::metadata(&fresh)
+                .expect("meta")
+                .permissions()
+                .mode();
+            assert_eq!(m & 0o777, 0o700);
+        }
+        let _ = std::fs::remove_file(&link);
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(tmp_dir("fresh"));
+    }
+
+    /// Issue 48: a record that is a symbolic link (to a valid record of a
+    /// live writer), that is not a regular file, or (as root) that another
+    /// user owns is refused at once: the round's error, nothing taken.
+    #[cfg(unix)]
+    #[test]
+    fn records_that_are_links_or_foreign_are_refused() {
+        let dir = tmp_dir("record-link");
+        let elsewhere = tmp_dir("record-elsewhere");
+        let me = Writer::this_one();
+        forge_dir_record(&elsewhere, 1, 1, me.pid, me.start, b"planted");
+        let ex = DirExchange::new(&dir, 0, 2, Duration::from_secs(30)).expect("new");
+        std::os::unix::fs::symlink(elsewhere.join("round-1.rank-1"), dir.join("round-1.rank-1"))
+            .expect("symlink");
+        let t = Instant::now();
+        expect_unsafe(ex.all_gather(b"x"), "rank 1's record", "symbolic link");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+        // A FIFO as a record: refused without blocking.
+        let ex = DirExchange::new(&dir, 0, 2, Duration::from_secs(30)).expect("new");
+        let fifo = dir.join("round-1.rank-1");
+        std::fs::remove_file(&fifo).expect("rm link");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("path");
+        // SAFETY: a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        expect_unsafe(ex.all_gather(b"x"), "rank 1's record", "not a regular file");
+        std::fs::remove_file(&fifo).expect("rm fifo");
+
+        if this_user() == 0 {
+            let ex = DirExchange::new(&dir, 0, 2, Duration::from_secs(30)).expect("new");
+            forge_dir_record(&dir, 1, 1, me.pid, me.start, b"foreign");
+            std::os::unix::fs::chown(dir.join("round-1.rank-1"), Some(65534), Some(65534))
+                .expect("chown");
+            expect_unsafe(
+                ex.all_gather(b"x"),
+                "rank 1's record",
+                "owned by user 65534",
+            );
+        } else {
+            println!("SKIPPED (a record of another user: not root, so no file can be given to another user)");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&elsewhere);
+    }
+
+    /// Issue 48: a directory replaced after `new` checked it (renamed
+    /// away, another one made in its place) is refused at the next round.
+    #[test]
+    fn a_directory_replaced_between_rounds_is_refused() {
+        let dir = tmp_dir("replaced");
+        let ex = DirExchange::new(&dir, 0, 1, Duration::from_secs(1)).expect("new");
+        assert_eq!(ex.all_gather(b"a").expect("round 1"), vec![b"a".to_vec()]);
+        let away = tmp_dir("replaced-away");
+        std::fs::rename(&dir, &away).expect("rename");
+        std::fs::create_dir(&dir).expect("mkdir");
+        expect_unsafe(ex.all_gather(b"b"), "rendezvous directory", "replaced");
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&away);
     }
 
     #[test]

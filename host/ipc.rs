@@ -252,9 +252,18 @@ impl Identity {
         let build = get("build")?;
         let build = u64::from_str_radix(&build, 16)
             .map_err(|_| bad(format!("an identity record with build={build:?}")))?;
-        let world = num("world", get("world")?)? as usize;
-        let rank = num("rank", get("rank")?)? as usize;
-        let pid = num("pid", get("pid")?)? as u32;
+        let world = num("world", get("world")?)?;
+        let rank = num("rank", get("rank")?)?;
+        let pid = num("pid", get("pid")?)?;
+        let (Ok(world), Ok(rank), Ok(pid)) = (
+            usize::try_from(world),
+            usize::try_from(rank),
+            u32::try_from(pid),
+        ) else {
+            return Err(bad(format!(
+                "an identity record with world={world}, rank={rank}, pid={pid}, past what they can be"
+            )));
+        };
         let host = get("host")?;
         let boot = get("boot")?;
         Ok(Identity {
@@ -382,6 +391,32 @@ fn peer_link(ctx: &Arc<CudaContext>, mine: &str, theirs: &str) -> Result<Link> {
     }
 }
 
+/// Checks that `bytes` bytes at `offset` of rank `peer`'s `what`, whose
+/// allocation is mapped here with `mapped` bytes from the mapped address
+/// on, lie inside that mapping (as rank `rank`): `PeerBufferTooSmall`,
+/// naming both ranks and the sizes, where they do not (also where
+/// `offset + bytes` overflows).
+pub(crate) fn check_mapped(
+    rank: usize,
+    peer: usize,
+    what: &'static str,
+    offset: u64,
+    bytes: u64,
+    mapped: u64,
+) -> Result<()> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= mapped => Ok(()),
+        _ => Err(Error::PeerBufferTooSmall {
+            rank,
+            peer,
+            what,
+            offset,
+            bytes,
+            mapped,
+        }),
+    }
+}
+
 /// What a rank learns at the rendezvous: every rank's staging and scratch
 /// and signal as seen from this process, the slowest link, and the
 /// mappings of the peers' buffers (kept open as long as the group lives).
@@ -392,14 +427,24 @@ pub(crate) struct Rendezvous {
     pub opened: Vec<IpcMapping>,
 }
 
-/// Publishes this rank's record, gathers every rank's, checks them, and
-/// opens the peers' buffers.
-pub(crate) fn rendezvous(
+/// Every rank's record, gathered and checked (same world, same settings)
+/// by [`publish`]; nothing opened yet.
+pub(crate) struct Records {
+    rank: usize,
+    bus: String,
+    recs: Vec<Record>,
+}
+
+/// Publishes this rank's record (its buffers' IPC handles, settings and
+/// device), gathers every rank's and checks them: the same on every rank,
+/// so every rank returns the same error for records that disagree. Opens
+/// nothing: [`open_peers`] does, after this.
+pub(crate) fn publish(
     ctx: &Arc<CudaContext>,
     exchange: &dyn Exchange,
     config: &Config,
     own: &RankBuffers,
-) -> Result<Rendezvous> {
+) -> Result<Records> {
     let (rank, world) = (exchange.rank(), exchange.world());
     let bus = driver::pci_bus_id(ctx)?;
     let mine = Record {
@@ -420,13 +465,20 @@ pub(crate) fn rendezvous(
         ],
     };
     let all = exchange.all_gather(&mine.encode())?;
+    let recs = check_records(&all, rank, world, &mine)?;
+    Ok(Records { rank, bus, recs })
+}
+
+/// Decodes every rank's record and checks it against this rank's `mine`
+/// (same world, each rank in its place, same settings, another process):
+/// every record is checked before any peer's handle is opened.
+fn check_records(all: &[Vec<u8>], rank: usize, world: usize, mine: &Record) -> Result<Vec<Record>> {
     if all.len() != world {
         return Err(Error::Rendezvous(format!(
             "exchange returned {} records for {world} ranks",
             all.len()
         )));
     }
-    // Every record is checked before any peer's handle is opened.
     let recs = all
         .iter()
         .enumerate()
@@ -454,7 +506,7 @@ pub(crate) fn rendezvous(
                 rec.rank, rec.world
             )));
         }
-        if settings(rec) != settings(&mine) {
+        if settings(rec) != settings(mine) {
             return Err(mismatch(
                 "Config (max_bytes, timeout, threads_per_block, max_blocks, push_max_bytes, \
                  push_ll_max_bytes, push_two_stage_max_bytes) differs"
@@ -467,6 +519,25 @@ pub(crate) fn rendezvous(
             ));
         }
     }
+    Ok(recs)
+}
+
+/// Opens the peers' buffers named by `records` and checks that each
+/// mapping is as large as `config` needs (staging and scratch of
+/// `Config::max_bytes`, the signal and its landing zones): a peer whose
+/// allocation is smaller is `PeerBufferTooSmall` here, before any kernel
+/// can run. Local to this rank (a peer's mapping may fail here and not
+/// there): the caller follows it with a round in which every rank says how
+/// it went.
+pub(crate) fn open_peers(
+    ctx: &Arc<CudaContext>,
+    config: &Config,
+    own: &RankBuffers,
+    records: &Records,
+) -> Result<Rendezvous> {
+    let Records { rank, bus, recs } = records;
+    let rank = *rank;
+    let need = RankBuffers::sizes(config, recs.len());
     let mut table = RankTable::default();
     let mut signals = [0u64; MAX_RANKS];
     let mut opened = Vec::new();
@@ -479,18 +550,19 @@ pub(crate) fn rendezvous(
             table.signals[p] = signals[p];
             continue;
         }
-        link = crate::topology::slowest(link, peer_link(ctx, &bus, &rec.bus)?);
-        let [s, c, g] = &rec.handles;
-        let (s, c, g) = (
-            IpcMapping::open(ctx, s)?,
-            IpcMapping::open(ctx, c)?,
-            IpcMapping::open(ctx, g)?,
-        );
-        table.inputs[p] = s.ptr();
-        table.scratch[p] = c.ptr();
-        signals[p] = g.ptr();
+        link = crate::topology::slowest(link, peer_link(ctx, bus, &rec.bus)?);
+        let mut ptrs = [0u64; 3];
+        for (k, handle) in rec.handles.iter().enumerate() {
+            let m = IpcMapping::open(ctx, handle)?;
+            check_mapped(rank, p, BUFFER_NAMES[k], 0, need[k] as u64, m.bytes())?;
+            ptrs[k] = m.ptr();
+            opened.push(m);
+        }
+        let [s, c, g] = ptrs;
+        table.inputs[p] = s;
+        table.scratch[p] = c;
+        signals[p] = g;
         table.signals[p] = signals[p];
-        opened.extend([s, c, g]);
     }
     Ok(Rendezvous {
         table,
@@ -499,6 +571,13 @@ pub(crate) fn rendezvous(
         opened,
     })
 }
+
+/// The group buffers a record's handles name, in order.
+const BUFFER_NAMES: [&str; 3] = [
+    "staging buffer",
+    "scratch buffer",
+    "signal and landing zones",
+];
 
 #[cfg(test)]
 mod tests {
@@ -705,6 +784,219 @@ mod tests {
             assert_eq!(ids.len(), 2);
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    // --- Issue 48: the decoders fed what a broken or hostile peer could
+    // send. Each returns a value or a typed error, never panics.
+
+    use proptest::prelude::*;
+
+    /// A record of this build with the given settings and handles.
+    fn ipc_record(world: u32, rank: u32, pid: u32, words: [u64; 6], fill: u8) -> Record {
+        Record {
+            world,
+            rank,
+            pid,
+            bus: "0000:1b:00.0".into(),
+            max_bytes: words[0],
+            timeout_ns: words[1],
+            launch: words[2],
+            push_max: words[3],
+            push_ll_max: words[4],
+            push2_max: words[5],
+            handles: [[fill; HANDLE], [fill ^ 1; HANDLE], [fill ^ 2; HANDLE]],
+        }
+    }
+
+    /// Identity::decode's errors are `Rendezvous` (not a record) or
+    /// `GroupMismatch` (another version), naming the sender.
+    fn identity_error_is_typed(r: &Result<Identity>) -> std::result::Result<(), TestCaseError> {
+        match r {
+            Ok(_) => Ok(()),
+            Err(Error::Rendezvous(m)) => {
+                prop_assert!(m.contains("rank 1"), "{m}");
+                Ok(())
+            }
+            Err(Error::GroupMismatch {
+                rank: 0, other: 1, ..
+            }) => Ok(()),
+            Err(e) => Err(TestCaseError::fail(format!("untyped: {e:?}"))),
+        }
+    }
+
+    fn cases(n: u32) -> ProptestConfig {
+        ProptestConfig {
+            cases: n,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    proptest! {
+        #![proptest_config(cases(2000))]
+
+        #[test]
+        fn identity_decode_of_random_bytes_is_typed(b in proptest::collection::vec(any::<u8>(), 0..300)) {
+            identity_error_is_typed(&Identity::decode(&b, 1, 0))?;
+        }
+
+        /// Text records with random values (numbers past u64 and u32,
+        /// non-hex builds, lines missing or swapped) and any version.
+        #[test]
+        fn identity_decode_of_random_text_is_typed(
+            version in prop_oneof![Just("1".to_string()), "[0-9]{1,25}", ".{0,6}"],
+            values in proptest::collection::vec(prop_oneof![
+                "[0-9a-f]{0,24}", "[0-9]{1,30}", "-[0-9]{1,3}", ".{0,12}"
+            ], 6),
+            keep in 0usize..=7,
+            swap in any::<bool>(),
+        ) {
+            let mut keys = ["build", "world", "rank", "pid", "host", "boot"];
+            if swap {
+                keys.swap(1, 2);
+            }
+            let mut text = format!("{HELLO_MAGIC} {version}\n");
+            for (k, v) in keys.iter().zip(&values).take(keep) {
+                text.push_str(&format!("{k}={v}\n"));
+            }
+            let got = Identity::decode(text.as_bytes(), 1, 0);
+            identity_error_is_typed(&got)?;
+            if let Ok(id) = &got {
+                // Taken only as a whole record of this version whose numbers fit.
+                prop_assert_eq!(version.trim().parse::<u32>().ok(), Some(HELLO_VERSION));
+                prop_assert!(keep >= 6 && !swap);
+                // (`lines` drops a '\r' before each '\n'.)
+                let num = |v: &str| v.strip_suffix('\r').unwrap_or(v).parse::<u64>().ok();
+                prop_assert_eq!(Some(id.world as u64), num(&values[1]));
+                prop_assert_eq!(Some(id.pid as u64), num(&values[3]));
+            }
+        }
+
+        /// A record of this build cut anywhere is refused (or, cut inside
+        /// its last value, taken with that value shortened).
+        #[test]
+        fn identity_records_cut_anywhere_are_typed(cut in 0usize..200, rank in 0usize..8) {
+            let me = Identity::of_this_process(rank, 8);
+            let full = me.encode();
+            let cut = cut.min(full.len());
+            let got = Identity::decode(&full[..cut], 1, 0);
+            identity_error_is_typed(&got)?;
+            if let Ok(id) = got {
+                prop_assert!(cut >= full.len() - me.boot.len() - 1, "taken when cut at {}", cut);
+                prop_assert_eq!(id.rank, rank);
+            }
+        }
+
+        /// The IPC record: random bytes of any length, records of this
+        /// layout with another version or magic, cut records. Only a whole
+        /// record of this version decodes, whatever its numbers.
+        #[test]
+        fn ipc_record_decode_is_typed(
+            b in proptest::collection::vec(any::<u8>(), 0..RECORD + 40),
+            version in any::<u32>(),
+            words in any::<[u64; 6]>(),
+            ids in any::<[u32; 3]>(),
+            cut in 0usize..=RECORD,
+        ) {
+            let typed = |r: &Result<Record>| match r {
+                Ok(_) | Err(Error::Rendezvous(_)) => Ok(()),
+                Err(e) => Err(TestCaseError::fail(format!("untyped: {e:?}"))),
+            };
+            typed(&Record::decode(&b, 1))?;
+            let rec = ipc_record(ids[0], ids[1], ids[2], words, 7).encode();
+            let back = Record::decode(&rec, 1)
+                .map_err(|e| TestCaseError::fail(format!("a record of this build: {e}")))?;
+            prop_assert_eq!(
+                (back.world, back.rank, back.pid, back.max_bytes, back.push2_max),
+                (ids[0], ids[1], ids[2], words[0], words[5])
+            );
+            let mut other = rec.clone();
+            other[4..8].copy_from_slice(&version.to_le_bytes());
+            let got = Record::decode(&other, 1);
+            typed(&got)?;
+            prop_assert_eq!(got.is_ok(), version == VERSION);
+            let got = Record::decode(&rec[..cut], 1);
+            typed(&got)?;
+            prop_assert_eq!(got.is_ok(), cut == RECORD);
+        }
+
+        /// Records whose numbers are anything (a world or rank past u32
+        /// as usize, settings of u64::MAX) are refused by the checks as a
+        /// typed error before anything is opened, or agree with this rank's.
+        #[test]
+        fn ipc_record_checks_are_typed(
+            world in 1usize..=MAX_RANKS,
+            theirs in any::<([u32; 2], [u64; 6])>(),
+            same in any::<bool>(),
+        ) {
+            let mine = ipc_record(world as u32, 0, 1, mine_words(), 1);
+            let words = if same { mine_words() } else { theirs.1 };
+            let all: Vec<Vec<u8>> = (0..world)
+                .map(|p| {
+                    let (w, r) = if p == 1 { (theirs.0[0], theirs.0[1]) } else { (world as u32, p as u32) };
+                    ipc_record(w, r, 100 + p as u32, if p == 1 { words } else { mine_words() }, 3).encode()
+                })
+                .collect();
+            let got = check_records(&all, 0, world, &mine);
+            match &got {
+                Ok(recs) => prop_assert_eq!(recs.len(), world),
+                Err(Error::GroupMismatch { rank: 0, .. }) | Err(Error::Rendezvous(_)) => {}
+                Err(e) => return Err(TestCaseError::fail(format!("untyped: {e:?}"))),
+            }
+            if world > 1 {
+                let agrees = (theirs.0[0] as usize, theirs.0[1]) == (world, 1) && words == mine_words();
+                prop_assert_eq!(got.is_ok(), agrees);
+            }
+        }
+
+        /// A use of a mapping is allowed exactly when it lies inside it,
+        /// for every offset and length (`offset + bytes` past u64::MAX too).
+        #[test]
+        fn check_mapped_is_exact_and_never_overflows(
+            offset in prop_oneof![any::<u64>(), 0u64..4096, Just(u64::MAX)],
+            bytes in prop_oneof![any::<u64>(), 0u64..4096, Just(u64::MAX)],
+            mapped in prop_oneof![any::<u64>(), 0u64..8192],
+            edge in proptest::option::of(-1i64..=1),
+        ) {
+            // Half the cases at the mapping's end: one byte short, exact, one byte past.
+            let mapped = match (edge, offset.checked_add(bytes)) {
+                (Some(d), Some(end)) => end.saturating_add_signed(d),
+                _ => mapped,
+            };
+            let got = check_mapped(0, 1, "staging buffer", offset, bytes, mapped);
+            let inside = offset as u128 + bytes as u128 <= mapped as u128;
+            prop_assert_eq!(got.is_ok(), inside);
+            if let Err(e) = got {
+                let msg = e.to_string();
+                prop_assert!(
+                    matches!(e, Error::PeerBufferTooSmall { rank: 0, peer: 1, .. }),
+                    "{}", msg
+                );
+                prop_assert!(msg.contains(&mapped.to_string()) && msg.contains(&bytes.to_string()), "{}", msg);
+            }
+        }
+    }
+
+    fn mine_words() -> [u64; 6] {
+        [1 << 20, 5, 6, 7, 8, 9]
+    }
+
+    /// The record of a peer that is too old to send an identity, and
+    /// records whose identity numbers lie past their types, are typed.
+    #[test]
+    fn identity_numbers_past_their_types_are_refused() {
+        let me = Identity::of_this_process(1, 2);
+        let text = String::from_utf8(me.encode()).expect("text");
+        let big_pid = text.replace(&format!("pid={}", me.pid), "pid=4294967296");
+        match Identity::decode(big_pid.as_bytes(), 1, 0) {
+            Err(Error::Rendezvous(m)) => assert!(m.contains("pid=4294967296"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        let big_world = text.replace("world=2", "world=18446744073709551616");
+        assert!(matches!(
+            Identity::decode(big_world.as_bytes(), 1, 0),
+            Err(Error::Rendezvous(_))
+        ));
     }
 
     #[test]

@@ -35,7 +35,10 @@ pub use crate::peer_tables::TABLE_SLOTS;
 /// let (rank, world) = (0, 2); // e.g. from the launcher's environment
 /// let ctx = driver::open_device(rank)?;
 /// let stream = ctx.new_stream()?;
-/// let ex = DirExchange::new("/tmp/my-job-rendezvous".as_ref(), rank, world, Duration::from_secs(60))?;
+/// // A directory private to this user (e.g. made by `mktemp -d` in the
+/// // launcher and passed to every rank): DirExchange refuses any other.
+/// let dir = std::env::var("MY_JOB_RENDEZVOUS_DIR")?;
+/// let ex = DirExchange::new(dir.as_ref(), rank, world, Duration::from_secs(60))?;
 /// let group = ProcessGroup::new(&ctx, &ex, Config::default())?;
 /// let input = stream.clone_htod(&vec![half::bf16::ONE; 4096])?;
 /// let mut output = stream.alloc_zeros::<half::bf16>(4096)?;
@@ -64,6 +67,23 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
+/// What [`ProcessGroup::new_forged`] makes this rank publish, as a broken
+/// or hostile peer would: for tests of the peers' checks (issue 48). The
+/// default forges nothing.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgery {
+    /// This rank's staging allocation holds this many bytes, not
+    /// `Config::max_bytes` (its record still says `max_bytes`).
+    pub staging_bytes: Option<usize>,
+    /// Added to the offset every zero-copy record of this rank claims
+    /// (registered and captured buffers).
+    pub record_offset: u64,
+    /// Added to the length every registered-buffer record of this rank
+    /// claims.
+    pub record_bytes: u64,
+}
+
 /// Every rank must pick the same algorithm for the same call, so every
 /// rank must use the same `Auto` table (a thresholds file present on one
 /// machine only, or a different `P2P_ALLREDUCE_THRESHOLDS`, would break
@@ -71,7 +91,11 @@ impl std::fmt::Debug for ProcessGroup {
 /// One exchange round after a step that may fail on this rank alone:
 /// returns this rank's own error, else `PeerSetupFailed` naming the first
 /// rank whose step failed, else the step's value.
-fn agree_setup<T>(exchange: &dyn Exchange, step: &'static str, local: Result<T>) -> Result<T> {
+pub(crate) fn agree_setup<T>(
+    exchange: &dyn Exchange,
+    step: &'static str,
+    local: Result<T>,
+) -> Result<T> {
     const OK: &[u8] = b"setup ok";
     const FAILED: &[u8] = b"setup failed: ";
     let mine = match &local {
@@ -128,7 +152,35 @@ impl ProcessGroup {
     /// ([`crate::ipc::introduce`]: a group across hosts is refused with
     /// `Error::CrossHost`, one across builds with `GroupMismatch`, both
     /// before any CUDA call), the buffers' IPC records, and `Auto`'s table.
+    ///
+    /// Every peer buffer mapped from a CUDA IPC handle is checked to be as
+    /// large as `config` needs (`Error::PeerBufferTooSmall` on every rank
+    /// otherwise, before any kernel runs).
     pub fn new(ctx: &Arc<CudaContext>, exchange: &dyn Exchange, config: Config) -> Result<Self> {
+        Self::create(ctx, exchange, config, Forgery::default())
+    }
+
+    /// [`ProcessGroup::new`] as a broken or hostile peer would run it: its
+    /// staging allocation and zero-copy records as `forgery` says. For the
+    /// tests of the peers' checks (a GPU case of issue 48); never use it
+    /// otherwise.
+    #[cfg(feature = "testkit")]
+    #[doc(hidden)]
+    pub fn new_forged(
+        ctx: &Arc<CudaContext>,
+        exchange: &dyn Exchange,
+        config: Config,
+        forgery: Forgery,
+    ) -> Result<Self> {
+        Self::create(ctx, exchange, config, forgery)
+    }
+
+    fn create(
+        ctx: &Arc<CudaContext>,
+        exchange: &dyn Exchange,
+        config: Config,
+        forgery: Forgery,
+    ) -> Result<Self> {
         let (rank, world) = (exchange.rank(), exchange.world());
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
@@ -141,15 +193,22 @@ impl ProcessGroup {
         let local = (|| {
             let kernels = Kernels::for_context(ctx, config.kernel_image)?;
             kernels.prepare(world, false, config.threads_per_block)?;
-            Ok((kernels, RankBuffers::new(ctx, &config, world)?))
+            let mut own = RankBuffers::new(ctx, &config, world)?;
+            if let Some(bytes) = forgery.staging_bytes {
+                own.staging = DeviceAlloc::zeroed(ctx, bytes)?;
+            }
+            Ok((kernels, own))
         })();
         let (kernels, own) = agree_setup(exchange, "kernels and buffers", local)?;
-        let rv = ipc::rendezvous(ctx, exchange, &config, &own)?;
-        let thresholds = agree_setup(
-            exchange,
-            "Auto's table",
-            thresholds::resolve(&config.thresholds, ctx, rv.link, world),
-        )?;
+        let records = ipc::publish(ctx, exchange, &config, &own)?;
+        // Mapping the peers' buffers (each checked to be as large as the
+        // settings need) can fail on one rank alone: the round after it
+        // says so to every rank.
+        let local = ipc::open_peers(ctx, &config, &own, &records).and_then(|rv| {
+            let t = thresholds::resolve(&config.thresholds, ctx, rv.link, world)?;
+            Ok((rv, t))
+        });
+        let (rv, thresholds) = agree_setup(exchange, "the peers' buffers and Auto's table", local)?;
         agree_on_thresholds(exchange, &thresholds, rv.link, world)?;
         let config = Config {
             thresholds,
@@ -163,7 +222,7 @@ impl ProcessGroup {
             staging,
             DeviceAlloc::from_value(ctx, &rv.table)?,
         )?;
-        let tables = PeerTables::new(ctx, rank, world, rv.table)?;
+        let tables = PeerTables::new(ctx, rank, world, rv.table, forgery)?;
         Ok(ProcessGroup {
             rank,
             core: Collective::new(

@@ -238,6 +238,9 @@ impl Thresholds {
         link: Link,
         world: usize,
     ) -> Result<Option<Thresholds>, String> {
+        if !(1..=MAX_RANKS).contains(&world) {
+            return Err(format!("world {world}: use 1..={MAX_RANKS}"));
+        }
         let matching = |e: &&TunedTable| {
             e.gpu == gpu && link_by_label(&e.link) == Some(link) && e.world == world
         };
@@ -661,6 +664,116 @@ mod tests {
         let e = ThresholdsFile::parse("{\"format\":\"x\",\"tables\":[]}").expect_err("format");
         assert!(e.contains("tune"), "{e}");
         assert!(ThresholdsFile::parse("not json").is_err());
+    }
+
+    use proptest::prelude::*;
+
+    /// A file of one table with the given members, as JSON.
+    fn table_json(
+        world: usize,
+        gpus: usize,
+        link: &str,
+        bands: &[(Option<u64>, String)],
+    ) -> String {
+        ThresholdsFile {
+            format: FORMAT.into(),
+            tables: vec![TunedTable {
+                gpu: "NVIDIA H200".into(),
+                gpus,
+                links: vec![],
+                link: link.into(),
+                world,
+                dtype: "bf16".into(),
+                measured: "fuzz".into(),
+                bands: bands
+                    .iter()
+                    .map(|(up_to, algorithm)| FileBand {
+                        up_to: *up_to,
+                        algorithm: algorithm.clone(),
+                    })
+                    .collect(),
+            }],
+        }
+        .to_json()
+    }
+
+    fn algorithm_name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            proptest::sample::select(Algorithm::ALL.map(|a| a.name().to_string()).to_vec()),
+            "[a-z_]{0,12}",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 1000,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// Issue 48: any text is a file or a reason, never a panic.
+        #[test]
+        fn any_text_parses_or_says_why(text in prop_oneof![
+            ".{0,200}",
+            "[{}\\[\\]\":,0-9a-z_ -]{0,200}",
+        ]) {
+            let _ = ThresholdsFile::parse(&text);
+        }
+
+        /// Files of any world, GPU count, link and bands (limits of any
+        /// size, in any order, unknown algorithms), cut anywhere: each is
+        /// a table or a reason; a table that parses is used for any group
+        /// asked about without a panic, and its choice (of two or more
+        /// ranks) is one of its bands'.
+        #[test]
+        fn any_file_is_a_table_or_a_reason(
+            world in prop_oneof![0usize..=MAX_RANKS + 2, any::<usize>()],
+            gpus in any::<usize>(),
+            link in prop_oneof![Just("NVLink".to_string()), Just("same".to_string()), "[A-Za-z]{0,6}"],
+            bands in proptest::collection::vec(
+                (proptest::option::of(prop_oneof![any::<u64>(), 0u64..(1 << 24)]), algorithm_name()),
+                0..5,
+            ),
+            ask_world in prop_oneof![0usize..=MAX_RANKS + 2, any::<usize>()],
+            ask_same in any::<bool>(),
+            bytes in any::<usize>(),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let text = table_json(world, gpus, &link, &bands);
+            let cut_at = cut.index(text.len() + 1);
+            if text.is_char_boundary(cut_at) {
+                let got = ThresholdsFile::parse(&text[..cut_at]);
+                prop_assert!(cut_at == text.len() || got.is_err(), "a cut file parsed");
+            }
+            let Ok(file) = ThresholdsFile::parse(&text) else { return Ok(()) };
+            let ask_world = if ask_same { world } else { ask_world };
+            let base = Thresholds::default();
+            for l in LINKS {
+                match base.with_file_entry(&file, Path::new("f.json"), "NVIDIA H200", gpus, l, ask_world) {
+                    Ok(Some(t)) => {
+                        // (A group of one rank copies: one-stage, whatever the table.)
+                        let a = t.choose(AlgoChoice::Auto, bytes, ask_world, l);
+                        prop_assert!(
+                            ask_world < 2 || file.tables[0].bands.iter().any(|b| b.algorithm == a.name()),
+                            "{:?} is none of the file's bands", a
+                        );
+                    }
+                    Ok(None) => {}
+                    Err(e) => prop_assert!(!e.is_empty()),
+                }
+            }
+        }
+    }
+
+    /// A file that is not UTF-8 is a reason, not a panic.
+    #[test]
+    fn a_file_of_bytes_that_are_not_text_is_a_reason() {
+        let dir = std::env::temp_dir().join(format!("p2p-ar-thr-bytes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("thresholds.json");
+        std::fs::write(&path, [0xff, 0xfe, b'{', 0x80]).expect("write");
+        assert!(read_file(&path, true).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A file as the hand-written writer before serde laid it out.

@@ -28,6 +28,8 @@ struct Gpu {
 
 #[path = "gpu/mismatch.rs"]
 mod mismatch;
+#[path = "gpu/shared_host.rs"]
+mod shared_host;
 
 fn main() {
     let cases: &[Case] = &[
@@ -78,6 +80,10 @@ fn main() {
         ("capture_with_cudarc_event_tracking_on", capture_tracking_on),
         ("process_group_across_hosts_is_refused", cross_host_refused),
         ("fault_matrix_killed_rank_processes", fault_matrix),
+        (
+            "shared_host_forged_peer_buffers_two_processes",
+            shared_host::processes,
+        ),
         #[cfg(feature = "nccl")]
         ("nccl_group_and_routing_world_1", nccl_routed),
     ];
@@ -2154,11 +2160,15 @@ fn kill_child(rank: usize, mode: &str) -> Result<String, String> {
 
 fn ipc_child(rank: usize) -> i32 {
     let mode = std::env::var("P2P_IPC_MODE").unwrap_or_else(|_| "sweep".into());
-    if mode == "fault" || mode == "auto_fused" || mode == "mismatch" || mode == "engine_mismatch" {
+    if matches!(
+        mode.as_str(),
+        "fault" | "auto_fused" | "mismatch" | "engine_mismatch" | "shared_host"
+    ) {
         let r = match mode.as_str() {
             "fault" => fault_child(rank),
             "mismatch" => mismatch::child(rank),
             "engine_mismatch" => mismatch::engine_child(rank),
+            "shared_host" => shared_host::child(rank),
             _ => auto_fused_child(rank),
         };
         return match r {

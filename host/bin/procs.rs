@@ -1,7 +1,7 @@
 //! `--procs`: one process per GPU, as serving engines run. The command
 //! starts itself once per rank with the same arguments and these variables
-//! set; the ranks meet through a [`DirExchange`] in a fresh directory and
-//! form a `ProcessGroup` over CUDA IPC.
+//! set; the ranks meet through a [`DirExchange`] in a fresh private
+//! directory (random name, mode 0700) and form a `ProcessGroup` over CUDA IPC.
 //!
 //! Rank 0 prints to this terminal as it goes; the other ranks' output is
 //! collected and shown when they end. A rank still running after the
@@ -57,8 +57,28 @@ pub fn run_ranks(what: &str, gpus: &[usize], deadline: Duration) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let dir = std::env::temp_dir().join(format!("p2p-allreduce-{what}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // A private directory (mode 0700) of an unguessable name, made here:
+    // never one another user could have made in advance. Removed when the
+    // run ends.
+    let prefix = format!("p2p-allreduce-{what}-");
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o700));
+    }
+    let tmp = match builder.tempdir() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!(
+                "{what}: cannot create the ranks' rendezvous directory in {}: {e}",
+                std::env::temp_dir().display()
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let dir = tmp.path().to_path_buf();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut children = Vec::new();
     for (rank, &gpu) in gpus.iter().enumerate() {
@@ -137,7 +157,9 @@ pub fn run_ranks(what: &str, gpus: &[usize], deadline: Duration) -> ExitCode {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = tmp.close() {
+        eprintln!("{what}: cannot remove {}: {e}", dir.display());
+    }
     if codes.iter().all(|c| *c == Some(0)) {
         ExitCode::SUCCESS
     } else if codes

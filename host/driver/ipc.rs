@@ -47,11 +47,17 @@ pub fn ipc_export(ctx: &Arc<CudaContext>, base: u64) -> Result<[u8; IPC_HANDLE_B
 pub struct IpcMapping {
     ctx: Arc<CudaContext>,
     ptr: u64,
+    /// Bytes mapped from `ptr` to the end of the allocation, as the driver
+    /// reports them (`cuMemGetAddressRange`).
+    bytes: u64,
 }
 
 impl IpcMapping {
     /// Maps the allocation behind `handle` into `ctx` (peer access is
-    /// enabled lazily by the driver when the owner is another device).
+    /// enabled lazily by the driver when the owner is another device), and
+    /// reads how large the mapped allocation is ([`IpcMapping::bytes`]): a
+    /// handle says nothing about its size, so every use of the mapping is
+    /// checked against what the driver reports.
     pub fn open(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<Self> {
         let mut h = sys::CUipcMemHandle {
             reserved: [0; IPC_HANDLE_BYTES],
@@ -73,13 +79,22 @@ impl IpcMapping {
         .result()
         .during("cuIpcOpenMemHandle")?;
         super::counts::up(&super::counts::IPC_MAPPINGS);
-        Ok(IpcMapping {
+        let mut m = IpcMapping {
             ctx: ctx.clone(),
             ptr,
-        })
+            bytes: 0,
+        };
+        // On an error here `m` is dropped, which unmaps it.
+        let (base, size) = address_range(ctx, ptr)?;
+        m.bytes = base.saturating_add(size as u64).saturating_sub(ptr);
+        Ok(m)
     }
     pub fn ptr(&self) -> u64 {
         self.ptr
+    }
+    /// Bytes of the peer's allocation mapped from [`IpcMapping::ptr`] on.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
     }
 }
 

@@ -65,6 +65,13 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             kw.set_item("peers", vec![*peer])?;
             "UnavailableError"
         }
+        // A peer's mapped buffer is smaller than its record says (a broken
+        // or foreign peer); its other ranks get PeerSetupFailed, as above.
+        Error::PeerBufferTooSmall { rank, peer, .. } => {
+            kw.set_item("rank", *rank)?;
+            kw.set_item("peers", vec![*peer])?;
+            "UnavailableError"
+        }
         // Ranks that disagree about a call, found by the kernels' words.
         Error::CallMismatch { rank, peer, .. } => {
             kw.set_item("rank", *rank)?;
