@@ -2758,10 +2758,14 @@ fn thresholds_file(g: &Gpu) {
                 FileBand {
                     up_to: Some(64),
                     algorithm: "push_ll".into(),
+                    winner: None,
+                    margin: None,
                 },
                 FileBand {
                     up_to: None,
                     algorithm: "push_two_stage".into(),
+                    winner: None,
+                    margin: None,
                 },
             ],
         }],
