@@ -477,9 +477,11 @@ fn check_winners(bands: &[WinnerBand]) -> Result<(), String> {
                     b.winner.name()
                 ))
             }
-            Some(m) if m < -NCCL_MUST_WIN_BY - 1e-9 => return Err(format!(
+            Some(m) if m < -NCCL_MUST_WIN_BY - 1e-9 => {
+                return Err(format!(
                 "ours win with margin {m}: ours keep a size only within {NCCL_MUST_WIN_BY} of NCCL"
-            )),
+            ))
+            }
             _ => {}
         }
     }
