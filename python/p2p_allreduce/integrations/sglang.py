@@ -237,7 +237,9 @@ def install(*, fused: bool = True) -> bool:
     for name in _SETTER_HOMES:
         try:
             m = importlib.import_module(name)
-        except ImportError:  # another SGLang layout: the other home still works
+        except Exception as e:  # noqa: BLE001 - another SGLang layout: the other home still works
+            logger.warning("p2p_allreduce: %s not importable (%s): deterministic inference may turn our "
+                           "custom allreduce off there", name, e)
             continue
         if getattr(m, "set_custom_all_reduce", None) is _state["set_custom_all_reduce"]:
             m.set_custom_all_reduce = _set_custom_all_reduce
