@@ -6,8 +6,10 @@ cases give the adapter a stand-in backend that sums over gloo (the
 adapter's `test_backend` hook); the setup cases use no stand-in. Each rank
 writes ``<outdir>/rank<r>.json``: ``[[case, error or null], ...]``."""
 
+import importlib.util
 import json
 import os
+import sys
 import traceback
 import types
 
@@ -352,8 +354,21 @@ def run_sglang(rank, world, group, case, _adapter):
         # disable_custom_all_reduce=True; the raw argument stays False), seen
         # through the runtime-context getters SGLang's code reads; SGLang's
         # own setter (as bootstrap calls it) and GroupCoordinator do the rest.
-        import sglang.srt.distributed.bootstrap as boot
         import sglang.srt.runtime_context as rc
+
+        # bootstrap (which calls set_custom_all_reduce at startup) imports
+        # gated_launch, an HTTP gate that needs fastapi and uvicorn, which
+        # the pinned test environment leaves out: a stand-in for it only.
+        if importlib.util.find_spec("uvicorn") is None:
+            gate = types.ModuleType("sglang.srt.distributed.gated_launch")
+            gate.maybe_wait_for_gated_launch = lambda **kwargs: None
+            sys.modules.setdefault("sglang.srt.distributed.gated_launch", gate)
+        import sglang.srt.distributed.bootstrap as boot
+
+        # Installed before bootstrap could be imported: again, so that its
+        # setter is wrapped as in a server process.
+        p2p_sglang.uninstall()
+        assert p2p_sglang.install()
 
         real = (rc.get_exec, rc.get_server_args)
         resolved = types.SimpleNamespace(
