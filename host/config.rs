@@ -9,7 +9,7 @@ use crate::abi::{
 pub use crate::choice::{AlgoChoice, Link};
 use crate::ll::LL_PACK_BYTES;
 use crate::ptx::ImageChoice;
-pub use crate::thresholds::Thresholds;
+pub use crate::thresholds::{Backend, Mode, Thresholds};
 use std::time::Duration;
 
 /// Automatic block cap for ranks that share one GPU (from the H200
@@ -70,8 +70,9 @@ pub struct Config {
     /// (zero-copy).
     pub push_two_stage_max_bytes: usize,
     /// With the `nccl` feature and NCCL enabled on a `PeerGroup`: messages
-    /// larger than this many bytes go to NCCL under `AlgoChoice::Auto`.
-    /// `None` (the default) never hands over: NCCL's results are not
+    /// larger than this many bytes go to NCCL under `AlgoChoice::Auto`
+    /// (`PeerGroup::allreduce_routed`), besides the sizes the table gives
+    /// NCCL. `None` (the default): only those. NCCL's results are not
     /// bit-identical to the determinism contract.
     pub nccl_above: Option<usize>,
     /// CTAs over which the fused push_ll ([`crate::fused::NormPlan`]) splits each
@@ -121,6 +122,20 @@ impl Config {
         let fits = |a| self.zone_capacity(a).is_none_or(|cap| bytes <= cap);
         self.thresholds
             .choose_fitting(choice, bytes, world, link, fits)
+    }
+
+    /// Who runs `count` elements of `dtype` for a group of `world` ranks
+    /// over `link` in `mode`: [`crate::thresholds::route`] on this
+    /// table. What the groups' `route` and `nccl_wins` answer.
+    pub fn route(
+        &self,
+        link: Link,
+        world: usize,
+        count: usize,
+        dtype: crate::abi::Dtype,
+        mode: Mode,
+    ) -> Backend {
+        crate::thresholds::route(&self.thresholds, link, world, count, dtype, mode)
     }
 
     /// The largest message (bytes) `algo`'s landing zone holds, or `None`

@@ -17,7 +17,11 @@
 //!
 //! Only the handful of entry points used here are bound (a small, checked
 //! layer like cudarc's `result` module), so no NCCL headers or build-time
-//! NCCL are needed.
+//! NCCL are needed. NCCL's symmetric-memory entry points (`ncclMemAlloc`,
+//! `ncclMemFree`, `ncclCommWindowRegister`, `ncclCommWindowDeregister`,
+//! NCCL >= 2.27) are bound where the library has them: their absence is a
+//! [`SymmetricUnavailable`] reason ([`symmetric_support`]), not an error of
+//! the rest.
 
 use crate::abi::Dtype;
 use crate::error::{Error, Result};
@@ -28,6 +32,58 @@ use std::sync::OnceLock;
 
 type NcclResult = c_int;
 type RawComm = *mut c_void;
+/// `ncclWindow_t`: an opaque handle.
+type RawWindow = *mut c_void;
+
+/// `NCCL_WIN_COLL_SYMMETRIC`: the window may be used by NCCL's symmetric
+/// kernels (every rank registers a buffer of the same size).
+const NCCL_WIN_COLL_SYMMETRIC: c_int = 0x01;
+
+/// The first NCCL version with symmetric windows (2.27.0).
+pub const SYMMETRIC_MIN_VERSION: i32 = 22700;
+
+/// NCCL's symmetric-memory entry points, where the library has them.
+struct SymmetricApi {
+    mem_alloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> NcclResult,
+    mem_free: unsafe extern "C" fn(*mut c_void) -> NcclResult,
+    window_register:
+        unsafe extern "C" fn(RawComm, *mut c_void, usize, *mut RawWindow, c_int) -> NcclResult,
+    window_deregister: unsafe extern "C" fn(RawComm, RawWindow) -> NcclResult,
+}
+
+/// Why NCCL's symmetric kernels cannot be used here (`info` prints it;
+/// `tune` and `bench` then leave the `nccl_symmetric` rows out).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SymmetricUnavailable {
+    /// libnccl itself could not be loaded.
+    NoNccl(String),
+    /// The loaded NCCL predates symmetric windows (version code, e.g. 22603).
+    OldNccl { version: i32 },
+    /// The loaded NCCL reports a new enough version but lacks this entry point.
+    MissingSymbol(&'static str),
+}
+
+impl std::fmt::Display for SymmetricUnavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SymmetricUnavailable::NoNccl(e) => write!(f, "no NCCL: {e}"),
+            SymmetricUnavailable::OldNccl { version } => write!(
+                f,
+                "NCCL {} has no symmetric windows (they need NCCL >= 2.27: e.g. `pip install -U nvidia-nccl-cu12`, or P2P_ALLREDUCE_NCCL naming a newer libnccl.so.2)",
+                version_string(*version)
+            ),
+            SymmetricUnavailable::MissingSymbol(s) => write!(
+                f,
+                "the loaded libnccl lacks {s} (symmetric windows need NCCL >= 2.27 built with them)"
+            ),
+        }
+    }
+}
+
+/// A version code as `major.minor.patch` (22703 -> "2.27.3").
+pub fn version_string(code: i32) -> String {
+    format!("{}.{}.{}", code / 10000, code / 100 % 100, code % 100)
+}
 
 /// `ncclUniqueId`: 128 opaque bytes.
 #[repr(C)]
@@ -70,6 +126,8 @@ struct Api {
     group_start: unsafe extern "C" fn() -> NcclResult,
     group_end: unsafe extern "C" fn() -> NcclResult,
     error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
+    /// The symmetric-memory entry points, or the first one missing.
+    symmetric: std::result::Result<SymmetricApi, &'static str>,
 }
 
 /// Where libnccl is looked for, in order (paths or loader names).
@@ -166,11 +224,34 @@ fn load() -> std::result::Result<Api, String> {
     ))
 }
 
+fn bind_symmetric(lib: &libloading::Library) -> std::result::Result<SymmetricApi, &'static str> {
+    // SAFETY: each symbol is looked up by its NCCL name and given the
+    // signature of nccl.h 2.27 (`ncclMemAlloc(void**, size_t)`,
+    // `ncclMemFree(void*)`, `ncclCommWindowRegister(ncclComm_t, void*,
+    // size_t, ncclWindow_t*, int)`, `ncclCommWindowDeregister(ncclComm_t,
+    // ncclWindow_t)`); the function pointers are copied out while `lib`
+    // is alive and stay valid as long as the `Api` that owns `lib`.
+    unsafe {
+        Ok(SymmetricApi {
+            mem_alloc: *lib.get(b"ncclMemAlloc\0").map_err(|_| "ncclMemAlloc")?,
+            mem_free: *lib.get(b"ncclMemFree\0").map_err(|_| "ncclMemFree")?,
+            window_register: *lib
+                .get(b"ncclCommWindowRegister\0")
+                .map_err(|_| "ncclCommWindowRegister")?,
+            window_deregister: *lib
+                .get(b"ncclCommWindowDeregister\0")
+                .map_err(|_| "ncclCommWindowDeregister")?,
+        })
+    }
+}
+
 fn bind(lib: libloading::Library, path: &str) -> std::result::Result<Api, libloading::Error> {
+    let symmetric = bind_symmetric(&lib);
     // SAFETY: each symbol is looked up by its NCCL name and given the
     // signature of nccl.h (NCCL 2.x ABI, stable since 2.0).
     unsafe {
         Ok(Api {
+            symmetric,
             get_version: *lib.get(b"ncclGetVersion\0")?,
             get_unique_id: *lib.get(b"ncclGetUniqueId\0")?,
             comm_init_rank: *lib.get(b"ncclCommInitRank\0")?,
@@ -209,6 +290,23 @@ pub fn library() -> Result<(String, i32)> {
     Ok((a.path.clone(), v))
 }
 
+/// Whether NCCL's symmetric kernels can be used: `Ok` with NCCL >= 2.27
+/// and its four symmetric-memory entry points, else why not.
+pub fn symmetric_support() -> std::result::Result<(), SymmetricUnavailable> {
+    symmetric_api().map(|_| ())
+}
+
+fn symmetric_api() -> std::result::Result<&'static SymmetricApi, SymmetricUnavailable> {
+    let a = api().map_err(|e| SymmetricUnavailable::NoNccl(e.to_string()))?;
+    let (_, version) = library().map_err(|e| SymmetricUnavailable::NoNccl(e.to_string()))?;
+    if version < SYMMETRIC_MIN_VERSION {
+        return Err(SymmetricUnavailable::OldNccl { version });
+    }
+    a.symmetric
+        .as_ref()
+        .map_err(|s| SymmetricUnavailable::MissingSymbol(s))
+}
+
 /// A new NCCL unique id (on one rank; the others receive its bytes).
 pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
     let a = api()?;
@@ -219,7 +317,7 @@ pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
 }
 
 mod comm;
-pub use comm::{NcclGroup, NcclRank};
+pub use comm::{NcclGroup, NcclRank, SymmetricBuffers};
 
 #[cfg(test)]
 mod tests {
@@ -236,6 +334,27 @@ mod tests {
         assert!(first_loader <= 1);
         for p in &c[first_loader + 2..] {
             assert!(p.ends_with("nvidia/nccl/lib/libnccl.so.2"), "{p}");
+        }
+    }
+
+    #[test]
+    fn symmetric_reasons_say_what_to_do() {
+        assert_eq!(version_string(22703), "2.27.3");
+        let old = SymmetricUnavailable::OldNccl { version: 22603 }.to_string();
+        assert!(old.contains("2.26.3") && old.contains(">= 2.27"), "{old}");
+        let missing = SymmetricUnavailable::MissingSymbol("ncclMemAlloc").to_string();
+        assert!(missing.contains("ncclMemAlloc"), "{missing}");
+        // Here (no NCCL, or whichever is installed) the answer is a value,
+        // never a panic, and agrees with the version the library reports.
+        match (symmetric_support(), library()) {
+            (Ok(()), Ok((_, v))) => assert!(v >= SYMMETRIC_MIN_VERSION, "{v}"),
+            (Err(SymmetricUnavailable::OldNccl { version }), Ok((_, v))) => {
+                assert_eq!(version, v);
+                assert!(v < SYMMETRIC_MIN_VERSION);
+            }
+            (Err(SymmetricUnavailable::MissingSymbol(_)), Ok(_)) => {}
+            (Err(SymmetricUnavailable::NoNccl(_)), Err(_)) => {}
+            (got, lib) => panic!("symmetric_support {got:?} disagrees with library {lib:?}"),
         }
     }
 

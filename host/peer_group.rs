@@ -13,6 +13,7 @@ use crate::launch::{Faults, Ranks};
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
 use crate::thresholds;
+use crate::thresholds::{Backend, Mode};
 use crate::topology;
 use crate::virtual_group::table_of;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
@@ -133,9 +134,28 @@ impl PeerGroup {
         &self.core.config
     }
 
+    /// Who the table gives `count` elements of `dtype` to in `mode`
+    /// ([`crate::thresholds::route`]): a pure function of the group's
+    /// table (the same on every rank), the size, the type and the mode.
+    pub fn route(&self, count: usize, dtype: Dtype, mode: Mode) -> Backend {
+        self.core
+            .config
+            .route(self.core.link, self.core.world, count, dtype, mode)
+    }
+
+    /// Whether the table measured NCCL faster than our kernels for `count`
+    /// elements of `dtype` (by more than
+    /// [`crate::thresholds::NCCL_MUST_WIN_BY`]): an embedder with its own
+    /// NCCL communicator sends such calls there, unless it needs our bits
+    /// ([`Mode::Deterministic`]). False with the built-in table.
+    pub fn nccl_wins(&self, count: usize, dtype: Dtype) -> bool {
+        self.route(count, dtype, Mode::Fastest).is_nccl()
+    }
+
     /// Creates NCCL communicators over `streams` (one per rank, distinct
-    /// GPUs), so that [`PeerGroup::allreduce_routed`] can hand messages
-    /// above `Config::nccl_above` to NCCL.
+    /// GPUs), so that [`PeerGroup::allreduce_routed`] can hand NCCL the
+    /// sizes the table gives it ([`PeerGroup::nccl_wins`]) and those above
+    /// `Config::nccl_above`.
     #[cfg(feature = "nccl")]
     pub fn enable_nccl(&mut self, streams: &[Arc<CudaStream>]) -> Result<()> {
         check_count("streams", streams.len(), self.world())?;
@@ -143,9 +163,15 @@ impl PeerGroup {
         Ok(())
     }
 
-    /// [`PeerGroup::allreduce`], except that under `AlgoChoice::Auto` a
-    /// message larger than `Config::nccl_above` goes to NCCL when it was
-    /// enabled. Without the `nccl` feature this is `allreduce`.
+    /// [`PeerGroup::allreduce`], except that under `AlgoChoice::Auto`, when
+    /// NCCL was enabled ([`PeerGroup::enable_nccl`]), a message goes to
+    /// NCCL where the table measured NCCL faster ([`PeerGroup::nccl_wins`]:
+    /// a band won by `nccl` or `nccl_symmetric`; NCCL runs on the
+    /// caller's buffers, so the symmetric kernels only where those lie in
+    /// NCCL's windows) or where it is larger than `Config::nccl_above`. NCCL's
+    /// bits are not the contract's: `AlgoChoice::Auto` through
+    /// [`PeerGroup::allreduce`] (or no `enable_nccl`) keeps every size on
+    /// our kernels. Without the `nccl` feature this is `allreduce`.
     ///
     /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
     /// (no wait) and [`Self::check`] report them, and the next call refuses
@@ -163,11 +189,11 @@ impl PeerGroup {
         O: DevicePtrMut<T>,
     {
         #[cfg(feature = "nccl")]
-        if let (Some(n), Some(above), AlgoChoice::Auto) =
-            (&self.nccl, self.core.config.nccl_above, algo)
-        {
-            let bytes = inputs.first().map_or(0, |i| i.len() * T::DTYPE.size());
-            if bytes > above {
+        if let (Some(n), AlgoChoice::Auto) = (&self.nccl, algo) {
+            let count = inputs.first().map_or(0, |i| i.len());
+            let bytes = count.saturating_mul(T::DTYPE.size());
+            let above = self.core.config.nccl_above.is_some_and(|a| bytes > a);
+            if above || self.nccl_wins(count, T::DTYPE) {
                 self.core.ensure_ok()?;
                 n.allreduce(streams, inputs, outputs)?;
                 return Ok(Route::Nccl);

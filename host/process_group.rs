@@ -14,7 +14,7 @@ use crate::ipc;
 use crate::launch::{Faults, Ranks};
 use crate::peer_tables::PeerTables;
 use crate::plan::{AlgoChoice, Config, Link};
-use crate::thresholds::{self, Thresholds};
+use crate::thresholds::{self, Backend, Mode, Thresholds};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::{Arc, Mutex};
 
@@ -251,6 +251,24 @@ impl ProcessGroup {
     }
     pub fn config(&self) -> &Config {
         &self.core.config
+    }
+
+    /// Who the table gives `count` elements of `dtype` to in `mode`
+    /// ([`crate::thresholds::route`]): a pure function of the group's
+    /// table (the same on every rank), the size, the type and the mode.
+    pub fn route(&self, count: usize, dtype: Dtype, mode: Mode) -> Backend {
+        self.core
+            .config
+            .route(self.core.link, self.core.world, count, dtype, mode)
+    }
+
+    /// Whether the table measured NCCL faster than our kernels for `count`
+    /// elements of `dtype` (by more than
+    /// [`crate::thresholds::NCCL_MUST_WIN_BY`]): an embedder with its own
+    /// NCCL communicator sends such calls there, unless it needs our bits
+    /// ([`Mode::Deterministic`]). False with the built-in table.
+    pub fn nccl_wins(&self, count: usize, dtype: Dtype) -> bool {
+        self.route(count, dtype, Mode::Fastest).is_nccl()
     }
 
     /// Staged allreduce of this rank's `input` (a slice or view) into

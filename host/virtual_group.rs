@@ -13,6 +13,7 @@ use crate::launch::{Faults, Ranks};
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
 use crate::thresholds;
+use crate::thresholds::{Backend, Mode};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -84,6 +85,24 @@ impl VirtualGroup {
     }
     pub fn config(&self) -> &Config {
         &self.core.config
+    }
+
+    /// Who the table gives `count` elements of `dtype` to in `mode`
+    /// ([`crate::thresholds::route`]): a pure function of the group's
+    /// table (the same on every rank), the size, the type and the mode.
+    pub fn route(&self, count: usize, dtype: Dtype, mode: Mode) -> Backend {
+        self.core
+            .config
+            .route(self.core.link, self.core.world, count, dtype, mode)
+    }
+
+    /// Whether the table measured NCCL faster than our kernels for `count`
+    /// elements of `dtype` (by more than
+    /// [`crate::thresholds::NCCL_MUST_WIN_BY`]): an embedder with its own
+    /// NCCL communicator sends such calls there, unless it needs our bits
+    /// ([`Mode::Deterministic`]). False with the built-in table.
+    pub fn nccl_wins(&self, count: usize, dtype: Dtype) -> bool {
+        self.route(count, dtype, Mode::Fastest).is_nccl()
     }
     pub fn kernels(&self) -> &Kernels {
         &self.core.members[0].kernels

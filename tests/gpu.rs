@@ -86,6 +86,11 @@ fn main() {
         ),
         #[cfg(feature = "nccl")]
         ("nccl_group_and_routing_world_1", nccl_routed),
+        #[cfg(feature = "nccl")]
+        (
+            "nccl_table_bands_route_auto_and_symmetric_windows",
+            nccl_table_routing,
+        ),
     ];
     if let Ok(rank) = std::env::var("P2P_IPC_CHILD") {
         std::process::exit(ipc_child(rank.parse().expect("P2P_IPC_CHILD is a rank")));
@@ -2730,6 +2735,153 @@ fn nccl_routed(g: &Gpu) {
     );
 }
 
+/// Issue 44: a table that gives NCCL a size band makes
+/// `PeerGroup::allreduce_routed` run NCCL there under `Auto` (and
+/// `nccl_wins` say so) and the kernels elsewhere, while deterministic
+/// routing keeps every size ours; NCCL's symmetric windows (NCCL >= 2.27)
+/// sum two ranks as the reference does (one addition). Needs two GPUs
+/// (NCCL refuses two ranks on one device).
+#[cfg(feature = "nccl")]
+fn nccl_table_routing(g: &Gpu) {
+    use p2p_allreduce::nccl::{self, NcclGroup};
+    use p2p_allreduce::thresholds::{Backend, Mode, WinnerBand};
+    use p2p_allreduce::{Link, Route};
+    let ctxs = all_gpus(g);
+    if ctxs.len() < 2 {
+        println!("  not run (this machine has 1 GPU: NCCL needs one GPU per rank)");
+        return;
+    }
+    let world = 2;
+    let streams: Vec<Arc<CudaStream>> = ctxs[..world]
+        .iter()
+        .map(|c| c.new_stream().expect("stream"))
+        .collect();
+    // NCCL wins 4 KiB < bytes <= 64 KiB, ours elsewhere, on every link.
+    let mut config = Config::default();
+    for link in [Link::SameDevice, Link::NvLink, Link::Pcie] {
+        config
+            .thresholds
+            .set_winners(
+                link,
+                world,
+                vec![
+                    WinnerBand {
+                        up_to: 4096,
+                        winner: Backend::Ours,
+                        margin: Some(0.5),
+                    },
+                    WinnerBand {
+                        up_to: 64 << 10,
+                        winner: Backend::Nccl,
+                        margin: Some(0.25),
+                    },
+                    WinnerBand {
+                        up_to: usize::MAX,
+                        winner: Backend::Ours,
+                        margin: Some(0.1),
+                    },
+                ],
+            )
+            .expect("winners");
+    }
+    let mut grp = PeerGroup::new(&ctxs[..world], config).expect("group");
+    grp.enable_nccl(&streams).expect("enable_nccl");
+    let len_max = 100_000;
+    let bits = values::adversarial_inputs(Dtype::F32, world, len_max, 44, false);
+    let refs: Vec<&[u32]> = bits.iter().map(|v| v.as_slice()).collect();
+    let want = reference::allreduce_bits(Dtype::F32, &refs);
+    for (len, nccl_band) in [
+        (1000usize, false),
+        (1024, false),
+        (1025, true),
+        (16_384, true),
+        (16_385, false),
+        (len_max, false),
+    ] {
+        let bytes = len * 4;
+        assert_eq!(grp.nccl_wins(len, Dtype::F32), nccl_band, "{bytes} B");
+        assert_eq!(
+            grp.route(len, Dtype::F32, Mode::Deterministic),
+            Backend::Ours
+        );
+        let want_route = if nccl_band {
+            Route::Nccl
+        } else {
+            Route::Kernel(
+                grp.config()
+                    .choose(AlgoChoice::Auto, bytes, world, grp.link()),
+            )
+        };
+        let ins: Vec<CudaSlice<f32>> = bits
+            .iter()
+            .zip(&streams)
+            .map(|(b, s)| upload_on::<f32>(s, &b[..len]))
+            .collect();
+        let in_refs: Vec<&CudaSlice<f32>> = ins.iter().collect();
+        let mut outs: Vec<CudaSlice<f32>> = streams.iter().map(|s| poisoned_on(s, len)).collect();
+        let route = grp
+            .allreduce_routed(&streams, &in_refs, &mut outs, AlgoChoice::Auto)
+            .expect("routed");
+        grp.check(&streams).expect("check");
+        assert_eq!(route, want_route, "{bytes} B");
+        // An explicit algorithm never goes to NCCL.
+        let explicit = grp
+            .allreduce_routed(&streams, &in_refs, &mut outs, AlgoChoice::OneStage)
+            .expect("explicit");
+        grp.check(&streams).expect("check");
+        assert_eq!(explicit, Route::Kernel(Algorithm::OneStage), "{bytes} B");
+        let got: Vec<Vec<u32>> = outs
+            .iter()
+            .zip(&streams)
+            .map(|(o, s)| download_on(s, o, len))
+            .collect();
+        assert_ranks(
+            &format!("routed {bytes} B via {route:?}"),
+            Dtype::F32,
+            &got,
+            &want[..len],
+        );
+    }
+    match nccl::symmetric_support() {
+        Err(e) => println!("  symmetric windows: not run ({e})"),
+        Ok(()) => {
+            let len = 10_007;
+            let mut n = NcclGroup::new(&streams).expect("NCCL communicators");
+            let sym = n.enable_symmetric(len * 4).expect("symmetric windows");
+            assert_eq!(n.symmetric().as_ref(), Some(&sym));
+            for (r, s) in streams.iter().enumerate() {
+                // SAFETY: the window input holds len f32 on rank r's device.
+                unsafe { driver::write_at(s.context(), sym.inputs[r], &bits[r][..len]) }
+                    .expect("write the window input");
+            }
+            // SAFETY: the windows hold len elements and outlive the call
+            // (synchronised below).
+            unsafe { n.allreduce_raw(&streams, Dtype::F32, len, &sym.inputs, &sym.outputs) }
+                .expect("ncclAllReduce on the windows");
+            let mut outs: Vec<CudaSlice<f32>> =
+                streams.iter().map(|s| poisoned_on(s, len)).collect();
+            for ((o, s), &w) in outs.iter_mut().zip(&streams).zip(&sym.outputs) {
+                let dst = o.device_ptr_mut(s).0;
+                // SAFETY: both hold len f32 on this rank's device, ordered
+                // after the allreduce on the same stream.
+                unsafe { driver::copy_dtod_async(s, dst, w, len * 4) }.expect("copy out");
+            }
+            let got: Vec<Vec<u32>> = outs
+                .iter()
+                .zip(&streams)
+                .map(|(o, s)| download_on(s, o, len))
+                .collect();
+            assert_ranks("NCCL on symmetric windows", Dtype::F32, &got, &want[..len]);
+            drop(n);
+            println!("  symmetric windows: ncclMemAlloc + ncclCommWindowRegister, allreduce equals the reference, released on drop");
+        }
+    }
+    println!(
+        "  PeerGroup on GPUs 0,1 ({:?}): Auto hands the table's NCCL band to NCCL and the rest to the kernels; deterministic routing keeps every size ours",
+        grp.link()
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Thresholds files: a hand-made table changes what Auto runs.
 
@@ -2773,10 +2925,14 @@ fn thresholds_file(g: &Gpu) {
                 FileBand {
                     up_to: Some(64),
                     algorithm: "push_ll".into(),
+                    winner: None,
+                    margin: None,
                 },
                 FileBand {
                     up_to: None,
                     algorithm: "push_two_stage".into(),
+                    winner: None,
+                    margin: None,
                 },
             ],
         }],

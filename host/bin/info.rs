@@ -2,6 +2,7 @@
 
 use crate::fmt_bytes;
 use p2p_allreduce::driver::{self, DeviceInfo};
+use p2p_allreduce::nccl;
 use p2p_allreduce::ptx::{self, Entry, KernelStats};
 use p2p_allreduce::thresholds::{self, Origin};
 use p2p_allreduce::{topology, Link};
@@ -40,6 +41,7 @@ pub fn run(args: &InfoArgs) -> ExitCode {
     print_ptx(args.kernels);
     println!();
     print_gpus();
+    print_nccl();
     ExitCode::SUCCESS
 }
 
@@ -378,9 +380,70 @@ fn print_auto_tables(ctxs: &[Arc<cudarc::driver::CudaContext>]) {
                     thresholds::link_label(link),
                     thresholds::describe_bands(t.bands(link, world))
                 );
+                for line in table_lines(&t, link, world) {
+                    println!("    {line}");
+                }
             }
             Err(e) => println!("  {world} ranks over {}: {e}", thresholds::link_label(link)),
         }
+    }
+}
+
+/// The table for `world` ranks over `link` with its NCCL columns: per size
+/// band our algorithm, the winner among ours, `nccl` and `nccl_symmetric`,
+/// the margin, and why the band goes where it goes.
+pub fn table_lines(t: &thresholds::Thresholds, link: Link, world: usize) -> Vec<String> {
+    let mut out = vec![format!(
+        "{:<14} {:<16} {:<16} {:>8}  goes to",
+        "sizes", "ours", "winner", "margin"
+    )];
+    let mut low = 0usize;
+    for (up_to, algo, w) in t.merged(link, world) {
+        let sizes = if up_to == usize::MAX {
+            format!("> {}", fmt_bytes(low as u64))
+        } else {
+            format!("<= {}", fmt_bytes(up_to as u64))
+        };
+        let margin = w
+            .margin
+            .map_or("-".to_string(), |m| format!("{:+.1}%", m * 100.0));
+        let why = match (w.winner, w.margin) {
+            (thresholds::Backend::Ours, None) => "ours (NCCL not measured here)".to_string(),
+            (thresholds::Backend::Ours, Some(_)) => format!(
+                "ours (NCCL not faster by more than {:.0}%)",
+                thresholds::NCCL_MUST_WIN_BY * 100.0
+            ),
+            (b, Some(m)) => format!(
+                "NCCL ({} measured {:.1}% faster than the next best; deterministic mode keeps it on ours)",
+                b.name(),
+                m * 100.0
+            ),
+            (b, None) => format!("NCCL ({} set by hand)", b.name()),
+        };
+        out.push(format!(
+            "{sizes:<14} {:<16} {:<16} {margin:>8}  {why}",
+            algo.name(),
+            w.winner.name()
+        ));
+        low = up_to;
+    }
+    out
+}
+
+/// Which NCCL `bench` and `tune` would time, and whether its symmetric
+/// kernels are available (the `nccl_symmetric` rows).
+fn print_nccl() {
+    println!();
+    match nccl::library() {
+        Ok((path, v)) => println!("NCCL {} from {path}", nccl::version_string(v)),
+        Err(e) => {
+            println!("NCCL: none: {e}");
+            return;
+        }
+    }
+    match nccl::symmetric_support() {
+        Ok(()) => println!("  symmetric windows: available (ncclMemAlloc, ncclCommWindowRegister)"),
+        Err(e) => println!("  symmetric windows: unavailable: {e}"),
     }
 }
 
@@ -427,5 +490,89 @@ fn print_peer_matrix(ctxs: &[Arc<cudarc::driver::CudaContext>]) {
             print!(" {cell:>7}");
         }
         println!();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use p2p_allreduce::abi::Algorithm;
+    use p2p_allreduce::thresholds::{Backend, Band, Thresholds, WinnerBand};
+
+    #[test]
+    fn the_table_says_which_bands_go_to_nccl_and_why() {
+        let t = Thresholds::default();
+        let lines = table_lines(&t, Link::NvLink, 2);
+        assert!(lines[0].contains("winner") && lines[0].contains("margin"));
+        assert!(
+            lines[1..]
+                .iter()
+                .all(|l| l.contains("ours (NCCL not measured here)")),
+            "{lines:#?}"
+        );
+        let mut t = Thresholds::default();
+        t.set_bands(
+            Link::Pcie,
+            2,
+            vec![
+                Band {
+                    up_to: 1 << 20,
+                    algorithm: Algorithm::OneStage,
+                },
+                Band {
+                    up_to: usize::MAX,
+                    algorithm: Algorithm::TwoStage,
+                },
+            ],
+        )
+        .expect("bands");
+        t.set_winners(
+            Link::Pcie,
+            2,
+            vec![
+                WinnerBand {
+                    up_to: 64 << 10,
+                    winner: Backend::Ours,
+                    margin: Some(0.3),
+                },
+                WinnerBand {
+                    up_to: 2 << 20,
+                    winner: Backend::Nccl,
+                    margin: Some(0.125),
+                },
+                WinnerBand {
+                    up_to: usize::MAX,
+                    winner: Backend::Ours,
+                    margin: Some(-0.01),
+                },
+            ],
+        )
+        .expect("winners");
+        let lines = table_lines(&t, Link::Pcie, 2);
+        assert_eq!(lines.len(), 5, "{lines:#?}");
+        assert!(
+            lines[1].starts_with("<= 64.0 KiB") && lines[1].contains("one_stage"),
+            "{}",
+            lines[1]
+        );
+        assert!(
+            lines[2].contains("one_stage") && lines[2].contains("NCCL (nccl measured 12.5% faster"),
+            "{}",
+            lines[2]
+        );
+        assert!(
+            lines[3].contains("two_stage")
+                && lines[3].contains("nccl")
+                && lines[3].contains("+12.5%"),
+            "{}",
+            lines[3]
+        );
+        assert!(
+            lines[4].starts_with("> 2.0 MiB")
+                && lines[4].contains("-1.0%")
+                && lines[4].contains("ours (NCCL not faster"),
+            "{}",
+            lines[4]
+        );
     }
 }

@@ -7,11 +7,18 @@
 //! virtual ranks on `--device` (Auto's same-device table). Each size's
 //! fastest algorithm (median of CUDA-graph replays, every row validated
 //! against the CPU reference) becomes a band.
+//!
+//! With real ranks, NCCL is timed in the same run, the same way (same
+//! sizes, element type, graph replays and statistics): plain, and with
+//! NCCL >= 2.27 on symmetric windows. Each band records who won it (ours,
+//! `nccl`, `nccl_symmetric`) and by how much; NCCL takes a size only by
+//! more than `thresholds::NCCL_MUST_WIN_BY`. `--no-nccl` leaves NCCL out
+//! (every band ours).
 
-use crate::bench::{self, BenchArgs, Row};
+use crate::bench::{self, BenchArgs, Row, AUTO_NCCL, NCCL, NCCL_SYMMETRIC};
 use crate::{open_gpu, parse_dtype_arg, parse_size, parse_world_arg, NOTHING_RAN};
 use p2p_allreduce::abi::Dtype;
-use p2p_allreduce::thresholds::{self, FileBand, ThresholdsFile, TunedTable};
+use p2p_allreduce::thresholds::{self, FileBand, ThresholdsFile, Timed, TunedTable};
 use p2p_allreduce::{driver, topology, AlgoChoice, Link};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -51,6 +58,9 @@ pub struct TuneArgs {
     /// Print the tables, write nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// Do not time NCCL (every band goes to our kernels).
+    #[arg(long)]
+    pub no_nccl: bool,
 }
 
 /// The algorithms `tune` compares (`Auto` is what it configures).
@@ -154,7 +164,7 @@ fn tune_all(args: &TuneArgs, worlds: &[usize], real: bool, path: PathBuf) -> Exi
             algo: CANDIDATES.to_vec(),
             device: args.device,
             gpus,
-            no_nccl: true,
+            no_nccl: args.no_nccl,
             ..BenchArgs::default()
         };
         println!(
@@ -224,46 +234,63 @@ fn tune_all(args: &TuneArgs, worlds: &[usize], real: bool, path: PathBuf) -> Exi
 /// at 64 MiB on 2 x H200).
 pub const KEEP_WITHIN: f64 = 0.02;
 
-/// The fastest algorithm at each measured size (the previous size's
-/// algorithm where it is within [`KEEP_WITHIN`] of the fastest), merged
-/// into bands: a band ends at the last size its algorithm won, the last
-/// band has no end.
+/// Our fastest algorithm at each measured size (the previous size's
+/// algorithm where it is within [`KEEP_WITHIN`] of the fastest), with
+/// NCCL's times at that size (rows `nccl` and `nccl_symmetric`), merged into
+/// bands by [`thresholds::file_bands`]: a band ends at the last size its
+/// algorithm and winner won, the last band has no end.
 pub fn bands_from(rows: &[Row]) -> Option<Vec<FileBand>> {
     let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    let mut winners: Vec<(usize, &'static str)> = Vec::new();
+    let nccl_names = [NCCL, NCCL_SYMMETRIC];
+    let mut timed: Vec<Timed> = Vec::new();
+    let mut prev: Option<&'static str> = None;
     for s in sizes {
         let at = || rows.iter().filter(|r| r.size == s && r.time_us.is_finite());
-        let best = at().min_by(|a, b| a.time_us.total_cmp(&b.time_us))?;
-        let kept = winners.last().and_then(|&(_, prev)| {
-            at().find(|r| r.algorithm == prev && r.time_us <= best.time_us * (1.0 + KEEP_WITHIN))
+        // Our algorithms' rows (not NCCL's, nor bench's auto+nccl).
+        let ours = || {
+            at().filter(|r| {
+                !nccl_names.contains(&r.requested)
+                    && r.requested != AUTO_NCCL
+                    && thresholds::algorithm_by_name(r.algorithm).is_some()
+            })
+        };
+        let nccl_time = |name: &str| at().find(|r| r.requested == name).map(|r| r.time_us);
+        let Some(best) = ours().min_by(|a, b| a.time_us.total_cmp(&b.time_us)) else {
+            continue;
+        };
+        let kept = prev.and_then(|prev| {
+            ours().find(|r| r.algorithm == prev && r.time_us <= best.time_us * (1.0 + KEEP_WITHIN))
         });
-        winners.push((s, kept.unwrap_or(best).algorithm));
+        let pick = kept.unwrap_or(best);
+        prev = Some(pick.algorithm);
+        timed.push(Timed {
+            size: s,
+            algorithm: thresholds::algorithm_by_name(pick.algorithm)?,
+            ours_us: pick.time_us,
+            nccl_us: nccl_time(NCCL),
+            nccl_symmetric_us: nccl_time(NCCL_SYMMETRIC),
+        });
     }
-    let mut bands: Vec<FileBand> = Vec::new();
-    for (i, &(size, algo)) in winners.iter().enumerate() {
-        let next_differs = winners.get(i + 1).is_none_or(|n| n.1 != algo);
-        if next_differs {
-            bands.push(FileBand {
-                up_to: Some(size as u64),
-                algorithm: algo.into(),
-            });
-        }
-    }
-    if let Some(last) = bands.last_mut() {
-        last.up_to = None;
-    }
-    (!bands.is_empty()).then_some(bands)
+    thresholds::file_bands(&timed)
 }
 
 fn print_table(t: &TunedTable) {
     println!("Auto for {} ranks of {} over {}:", t.world, t.gpu, t.link);
+    println!("  {:<16} {:<16} {:>10}  sizes", "ours", "winner", "margin");
     for b in &t.bands {
         let up_to = b.up_to.map_or("and above".to_string(), |u| {
             format!("up to {}", crate::fmt_bytes(u))
         });
-        println!("  {:<16} {up_to}", b.algorithm);
+        let margin = b
+            .margin
+            .map_or("-".to_string(), |m| format!("{:+.1}%", m * 100.0));
+        println!(
+            "  {:<16} {:<16} {margin:>10}  {up_to}",
+            b.algorithm,
+            b.winner.as_deref().unwrap_or("ours"),
+        );
     }
 }
 
@@ -390,6 +417,57 @@ mod tests {
         let bands = t.bands().expect("valid");
         assert_eq!(bands[0].algorithm, Algorithm::PushLl);
         assert!(bands_from(&[]).is_none());
+    }
+
+    #[test]
+    fn nccl_rows_decide_the_winner_of_each_band() {
+        let mut rows = vec![
+            row(4096, "push_ll", 2.0),
+            row(4096, NCCL, 9.0),
+            row(8192, "push_ll", 3.0),
+            row(8192, NCCL, 9.0),
+            row(8192, NCCL_SYMMETRIC, 2.0),
+            row(16384, "push_ll", 4.0),
+            row(16384, NCCL, 3.0),
+            // Within 2% of ours: ours keep it.
+            row(32768, "one_stage", 5.0),
+            row(32768, NCCL, 4.95),
+        ];
+        // bench's auto+nccl rows are not candidates.
+        let mut auto = row(32768, "nccl", 1.0);
+        auto.requested = AUTO_NCCL;
+        rows.push(auto);
+        let b = bands_from(&rows).expect("bands");
+        let got: Vec<(Option<u64>, &str, Option<&str>)> = b
+            .iter()
+            .map(|b| (b.up_to, b.algorithm.as_str(), b.winner.as_deref()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (Some(4096), "push_ll", Some("ours")),
+                (Some(8192), "push_ll", Some("nccl_symmetric")),
+                (Some(16384), "push_ll", Some("nccl")),
+                (None, "one_stage", Some("ours")),
+            ]
+        );
+        // Margins (to 0.01%): 9/2 - 1 for ours at 4 KiB; 3/2 - 1 for the symmetric
+        // kernels (plain NCCL's 9 is slower than ours' 3); 4/3 - 1 for NCCL.
+        let m: Vec<f64> = b.iter().map(|b| b.margin.expect("measured")).collect();
+        for (got, want) in m.iter().zip([3.5, 0.5, 1.0 / 3.0, 4.95 / 5.0 - 1.0]) {
+            assert!((got - want).abs() <= 0.5e-4, "{m:?}");
+        }
+        // Without NCCL rows: every band ours, no margin.
+        let ours: Vec<Row> = rows
+            .into_iter()
+            .filter(|r| {
+                r.requested != NCCL && r.requested != NCCL_SYMMETRIC && r.requested != AUTO_NCCL
+            })
+            .collect();
+        let b = bands_from(&ours).expect("bands");
+        assert!(b
+            .iter()
+            .all(|b| b.winner.as_deref() == Some("ours") && b.margin.is_none()));
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! NCCL communicators: all ranks in this process ([`NcclGroup`]) or this
 //! process's rank of several ([`NcclRank`]).
 
-use super::{api, check, nccl_dtype, unique_id, Api, RawComm, UniqueId, NCCL_SUM, UNIQUE_ID_BYTES};
+use super::{
+    api, check, nccl_dtype, symmetric_api, unique_id, Api, RawComm, RawWindow, SymmetricApi,
+    UniqueId, NCCL_SUM, NCCL_WIN_COLL_SYMMETRIC, UNIQUE_ID_BYTES,
+};
 use crate::abi::Dtype;
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
@@ -64,6 +67,168 @@ impl Comm {
     }
 }
 
+/// One rank's buffer from `ncclMemAlloc`, registered as a symmetric window
+/// (null window: not registered yet).
+struct WindowBuf {
+    ptr: *mut c_void,
+    win: RawWindow,
+}
+
+/// Input and output buffers of every rank of this process, in NCCL's
+/// symmetric windows: `ncclAllReduce` on them may run NCCL's symmetric
+/// kernels (NCCL >= 2.27). Read through [`SymmetricBuffers`].
+struct Windows {
+    bytes: usize,
+    /// `bufs[i]`: the i-th communicator's (input, output).
+    bufs: Vec<[WindowBuf; 2]>,
+}
+
+/// Where the symmetric buffers are: `inputs[i]`/`outputs[i]` of `bytes`
+/// bytes each on the i-th rank (of this process) and its device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SymmetricBuffers {
+    pub bytes: usize,
+    pub inputs: Vec<u64>,
+    pub outputs: Vec<u64>,
+}
+
+fn symmetric_or_err() -> Result<&'static SymmetricApi> {
+    symmetric_api().map_err(|e| Error::Nccl(format!("symmetric windows unavailable: {e}")))
+}
+
+impl Windows {
+    /// Allocates and registers an input and an output of `bytes` bytes on
+    /// every communicator of `comms` (all of this process's ranks: the
+    /// registration is collective, so with several they are grouped).
+    fn new(a: &Api, comms: &[&Comm], bytes: usize) -> Result<Windows> {
+        let s = symmetric_or_err()?;
+        let bytes = bytes.max(1);
+        let mut w = Windows {
+            bytes,
+            bufs: Vec::with_capacity(comms.len()),
+        };
+        for c in comms {
+            let mut pair = [std::ptr::null_mut(), std::ptr::null_mut()];
+            let mut failed = bind(c).err();
+            for p in &mut pair {
+                if failed.is_some() {
+                    break;
+                }
+                // SAFETY: valid out-pointer; the device is current.
+                let r = unsafe { (s.mem_alloc)(p, bytes) };
+                if let Err(e) = check(a, r, "ncclMemAlloc") {
+                    // Nothing was allocated into it.
+                    *p = std::ptr::null_mut();
+                    failed = Some(e);
+                }
+            }
+            // Pushed even when incomplete, so that `release` frees it.
+            w.bufs.push(pair.map(|ptr| WindowBuf {
+                ptr,
+                win: std::ptr::null_mut(),
+            }));
+            if let Some(e) = failed {
+                w.release(a, comms);
+                return Err(e);
+            }
+        }
+        let grouped = comms.len() > 1;
+        if grouped {
+            // SAFETY: plain call; matched by the ncclGroupEnd below.
+            if let Err(e) = check(a, unsafe { (a.group_start)() }, "ncclGroupStart") {
+                w.release(a, comms);
+                return Err(e);
+            }
+        }
+        let mut first = Ok(());
+        for (c, pair) in comms.iter().zip(&mut w.bufs) {
+            for b in pair.iter_mut() {
+                if first.is_err() {
+                    break;
+                }
+                first = bind(c).and_then(|()| {
+                    // SAFETY: `b.ptr` is a live ncclMemAlloc buffer of
+                    // `bytes` bytes on this communicator's device; valid
+                    // out-pointer for the window.
+                    let r = unsafe {
+                        (s.window_register)(
+                            c.raw,
+                            b.ptr,
+                            bytes,
+                            &mut b.win,
+                            NCCL_WIN_COLL_SYMMETRIC,
+                        )
+                    };
+                    check(a, r, "ncclCommWindowRegister")
+                });
+            }
+        }
+        if grouped {
+            // SAFETY: matches the ncclGroupStart above.
+            let end = check(a, unsafe { (a.group_end)() }, "ncclGroupEnd");
+            if first.is_ok() {
+                first = end;
+            }
+        }
+        if let Err(e) = first {
+            w.release(a, comms);
+            return Err(e);
+        }
+        Ok(w)
+    }
+
+    fn buffers(&self) -> SymmetricBuffers {
+        SymmetricBuffers {
+            bytes: self.bytes,
+            inputs: self.bufs.iter().map(|p| p[0].ptr as u64).collect(),
+            outputs: self.bufs.iter().map(|p| p[1].ptr as u64).collect(),
+        }
+    }
+
+    /// Deregisters the windows (grouped, as registered) and frees the
+    /// buffers; errors are ignored (this runs on drop).
+    fn release(&mut self, a: &Api, comms: &[&Comm]) {
+        let Ok(s) = symmetric_or_err() else {
+            return;
+        };
+        let grouped = comms.len() > 1;
+        // SAFETY: plain call; matched below.
+        let started = grouped && unsafe { (a.group_start)() } == 0;
+        for (c, pair) in comms.iter().zip(&mut self.bufs) {
+            for b in pair.iter_mut().filter(|b| !b.win.is_null()) {
+                if bind(c).is_ok() {
+                    // SAFETY: the window was registered on this
+                    // communicator and is deregistered once.
+                    let _ = unsafe { (s.window_deregister)(c.raw, b.win) };
+                }
+                b.win = std::ptr::null_mut();
+            }
+        }
+        if started {
+            // SAFETY: matches the ncclGroupStart above.
+            let _ = unsafe { (a.group_end)() };
+        }
+        for (c, pair) in comms.iter().zip(&mut self.bufs) {
+            for b in pair.iter_mut().filter(|b| !b.ptr.is_null()) {
+                if bind(c).is_ok() {
+                    // SAFETY: from ncclMemAlloc, no longer registered,
+                    // freed once; the device's work on it is done (drop
+                    // after the caller synchronised, as for any buffer).
+                    let _ = unsafe { (s.mem_free)(b.ptr) };
+                }
+                b.ptr = std::ptr::null_mut();
+            }
+        }
+        self.bufs.clear();
+    }
+}
+
+fn bind(c: &Comm) -> Result<()> {
+    c.ctx
+        .bind_to_thread()
+        .map_err(|e| Error::Nccl(format!("cuCtxSetCurrent: {e}")))
+}
+
 fn need_driver() -> Result<()> {
     if !crate::driver::driver_present() {
         return Err(Error::NoDriver);
@@ -75,7 +240,18 @@ fn need_driver() -> Result<()> {
 /// per GPU: NCCL refuses two ranks on one device).
 pub struct NcclGroup {
     comms: Vec<Comm>,
+    windows: Option<Windows>,
     lock: Mutex<()>,
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        // Windows go before their communicators.
+        if let (Some(mut w), Ok(a)) = (self.windows.take(), api()) {
+            let comms: Vec<&Comm> = self.comms.iter().collect();
+            w.release(a, &comms);
+        }
+    }
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -117,12 +293,37 @@ impl NcclGroup {
             .collect();
         Ok(NcclGroup {
             comms,
+            windows: None,
             lock: Mutex::new(()),
         })
     }
 
     pub fn world(&self) -> usize {
         self.comms.len()
+    }
+
+    /// Allocates, on every rank, an input and an output of `bytes` bytes
+    /// with `ncclMemAlloc` and registers them as symmetric windows, so that
+    /// allreduces between them ([`NcclGroup::symmetric`]'s pointers, through
+    /// [`NcclGroup::allreduce_raw`]) may use NCCL's symmetric kernels.
+    /// Replaces earlier windows. Needs NCCL >= 2.27: else `Error::Nccl`
+    /// with [`super::SymmetricUnavailable`]'s reason.
+    pub fn enable_symmetric(&mut self, bytes: usize) -> Result<SymmetricBuffers> {
+        let a = api()?;
+        let comms: Vec<&Comm> = self.comms.iter().collect();
+        if let Some(mut old) = self.windows.take() {
+            old.release(a, &comms);
+        }
+        let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let w = Windows::new(a, &comms, bytes)?;
+        let b = w.buffers();
+        self.windows = Some(w);
+        Ok(b)
+    }
+
+    /// The symmetric buffers, if [`NcclGroup::enable_symmetric`] made them.
+    pub fn symmetric(&self) -> Option<SymmetricBuffers> {
+        self.windows.as_ref().map(Windows::buffers)
     }
 
     /// Sum-allreduce of `inputs[r]` into `outputs[r]` on `streams[r]`.
@@ -232,9 +433,19 @@ impl NcclGroup {
 /// (one GPU each), formed through an [`crate::Exchange`].
 pub struct NcclRank {
     comm: Comm,
+    windows: Option<Windows>,
     rank: usize,
     world: usize,
     lock: Mutex<()>,
+}
+
+impl Drop for NcclRank {
+    fn drop(&mut self) {
+        // Windows go before the communicator.
+        if let (Some(mut w), Ok(a)) = (self.windows.take(), api()) {
+            w.release(a, &[&self.comm]);
+        }
+    }
 }
 
 impl std::fmt::Debug for NcclRank {
@@ -279,10 +490,30 @@ impl NcclRank {
                 ctx: ctx.clone(),
                 raw,
             },
+            windows: None,
             rank,
             world,
             lock: Mutex::new(()),
         })
+    }
+
+    /// [`NcclGroup::enable_symmetric`] for this rank: a collective call,
+    /// every rank with the same `bytes`.
+    pub fn enable_symmetric(&mut self, bytes: usize) -> Result<SymmetricBuffers> {
+        let a = api()?;
+        if let Some(mut old) = self.windows.take() {
+            old.release(a, &[&self.comm]);
+        }
+        let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let w = Windows::new(a, &[&self.comm], bytes)?;
+        let b = w.buffers();
+        self.windows = Some(w);
+        Ok(b)
+    }
+
+    /// This rank's symmetric buffers (one input, one output), if made.
+    pub fn symmetric(&self) -> Option<SymmetricBuffers> {
+        self.windows.as_ref().map(Windows::buffers)
     }
 
     pub fn rank(&self) -> usize {

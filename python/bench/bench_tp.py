@@ -23,6 +23,10 @@ CUDA events. Backends, in the same processes, same graph structure:
                 then torch's add and rms_norm
     ours-fused  CustomAllreduce.allreduce_add_rmsnorm in place of the
                 allreduce and the add + norm after it
+    best-of-both  the drop-ins' routing: ours where CustomAllreduce.should_use
+                says yes, NCCL where the machine's table (p2p-allreduce tune)
+                measured NCCL faster for the size (as the engines' own NCCL
+                path would take it); the row says which ran
     symm-mem    torch symmetric memory (one-shot up to 512 KiB, two-shot above)
     none        the same step with the allreduces left out: the compute floor
 
@@ -70,7 +74,9 @@ PRESETS = {
     "deepseek-v3-dense": dict(hidden=7168, layers=61, intermediate=18432, heads=56, kv_heads=8, head_dim=128),
     "llama-70b": dict(hidden=8192, layers=80, intermediate=28672, heads=64, kv_heads=8, head_dim=128),
 }
-BACKENDS = ["nccl", "ours", "ours-fused", "symm-mem", "none"]
+BACKENDS = ["nccl", "ours", "ours-fused", "best-of-both", "symm-mem", "none"]
+#: Backends that run our group (and so need CustomAllreduce and its capture()).
+OUR_BACKENDS = ("ours", "ours-fused", "best-of-both")
 TOKENS = [1, 3, 8, 32, 128]
 #: --attention: torch's SDPA backends by name (torch.nn.attention.SDPBackend).
 ATTENTION = {"auto": None, "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH",
@@ -233,7 +239,8 @@ def svg_plot(rows, title, path):
     def py(y):
         return H - B - y / ymax * (H - T - B)
 
-    colours = {"nccl": "#d62728", "ours": "#1f77b4", "ours-fused": "#2ca02c", "symm-mem": "#9467bd", "none": "#7f7f7f"}
+    colours = {"nccl": "#d62728", "ours": "#1f77b4", "ours-fused": "#2ca02c", "best-of-both": "#ff7f0e",
+               "symm-mem": "#9467bd", "none": "#7f7f7f"}
     e = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
          f'<rect width="{W}" height="{H}" fill="white"/>',
          f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">{_esc(title)}</text>',
@@ -314,7 +321,7 @@ def _worker(rank, world, gpus, port, args):
     # Which backends can run here, and why not where not.
     skip = {}
     if shared_gpu:
-        for b in ("nccl", "symm-mem"):
+        for b in ("nccl", "symm-mem", "best-of-both"):
             skip[b] = f"ranks share a GPU ({args.gpus}): NCCL refuses two ranks on one device"
     symm = None
     if "symm-mem" in args.backends and "symm-mem" not in skip:
@@ -327,9 +334,16 @@ def _worker(rank, world, gpus, port, args):
         except Exception as e:  # noqa: BLE001
             skip["symm-mem"] = f"torch symmetric memory unavailable: {type(e).__name__}: {e}"
     ca = None
-    if any(b in args.backends for b in ("ours", "ours-fused")):
+    if any(b in args.backends for b in OUR_BACKENDS):
         max_bytes = max(shape.allreduce_bytes(t) for t in tokens)
-        ca = pa.CustomAllreduce(group, dev, max_size=max(max_bytes, 64 << 10), timeout=args.timeout)
+        # Fastest mode (best-of-both routes by the table); `ours` and
+        # `ours-fused` call the kernels directly either way.
+        ca = pa.CustomAllreduce(group, dev, max_size=max(max_bytes, 64 << 10), timeout=args.timeout,
+                                deterministic=False)
+        if "best-of-both" in args.backends and rank == 0:
+            print("bench_tp: best-of-both routes by " + ("a tuned table" if ca._group().tuned else
+                  "the built-in table (every size ours: run `p2p-allreduce tune` to measure NCCL)")
+                  + f": {ca.nccl_bands}", flush=True)
 
     if args.pattern == "verify":
         rows = verify_pattern(torch, dist, group, rank, dev, shape, tokens, args, ca, symm, skip, log)
@@ -409,7 +423,7 @@ def _worker(rank, world, gpus, port, args):
                 step()
             torch.cuda.synchronize(dev)
             eager = state.snapshot()
-            graph = capture(torch, dev, step, ca if b.startswith("ours") else None, run_stream)
+            graph = capture(torch, dev, step, ca if b in OUR_BACKENDS else None, run_stream)
             state.reset(res0)
             graph.replay()
             torch.cuda.synchronize(dev)
@@ -426,6 +440,8 @@ def _worker(rank, world, gpus, port, args):
             # ranks never sum their partials), and each call of ours eager
             # against replayed on the same inputs (a recorded replay).
             row["checks"] = "passed"
+            if b == "best-of-both":
+                row["ran"] = ca.choose(torch.empty(t, shape.hidden, dtype=torch.bfloat16, device=dev))
             if b != "none":
                 checked(row, same_ranks, torch, dist, group, replayed,
                         f"{b}, {t} tokens: the replayed step's hidden state")
@@ -696,11 +712,14 @@ class Model:
             elif backend == "nccl":
                 dist.all_reduce(part, group=group)
                 total = part
-            elif backend == "ours":
+            elif backend == "ours" or (backend == "best-of-both" and ca.should_use(part)):
                 i = record.before(part) if record is not None else None
                 total = ca.allreduce(part, out=summed)
                 if record is not None:
                     record.after(i, summed)
+            elif backend == "best-of-both":
+                dist.all_reduce(part, group=group)
+                total = part
             elif backend == "symm-mem":
                 if nbytes <= SYMM_ONE_SHOT_MAX:
                     total = torch.ops.symm_mem.one_shot_all_reduce(part, "sum", gname)
@@ -829,8 +848,10 @@ def verify_pattern(torch, dist, group, rank, dev, shape, tokens, args, ca, symm,
                 for _ in range(n_ar):
                     if b == "nccl":
                         dist.all_reduce(x, group=group)
-                    elif b == "ours":
+                    elif b == "ours" or (b == "best-of-both" and ca.should_use(x)):
                         ca.allreduce(x, out=out)
+                    elif b == "best-of-both":
+                        dist.all_reduce(x, group=group)
                     elif b == "ours-fused":
                         ca.allreduce_add_rmsnorm(x, res, w, EPS, out=out)
                     elif nbytes <= SYMM_ONE_SHOT_MAX:
@@ -840,7 +861,7 @@ def verify_pattern(torch, dist, group, rank, dev, shape, tokens, args, ca, symm,
 
             body()
             torch.cuda.synchronize(dev)
-            graph = capture(torch, dev, body, ca if b.startswith("ours") else None)
+            graph = capture(torch, dev, body, ca if b in OUR_BACKENDS else None)
             times = time_replays(torch, dist, group, graph, args)
             if ca is not None:
                 ca.check()

@@ -17,12 +17,20 @@ Three routes, picked per call:
   stream's (a graph is captured on a stream of its own).
 
 Every route gives the same bits: the rank-order float32 sum, rounded once.
+
+Which allreduces come here at all (``should_use``) also follows the
+machine's table (``p2p-allreduce tune``, which times NCCL beside our
+kernels): sizes it measured NCCL faster at are left to the engine's NCCL,
+unless the group is in deterministic mode (``deterministic=True`` or
+``P2P_ALLREDUCE_DETERMINISTIC=1``), which keeps every size up to
+``max_size`` on our kernels. See ``p2p_allreduce.routing`` for what each
+mode guarantees about bits.
 """
 
 import contextlib
 from typing import Callable, List, Optional
 
-from . import _native
+from . import _native, routing
 from .errors import UsageError
 
 #: torch dtype (as ``str(tensor.dtype)``) -> the kernels' dtype name.
@@ -81,7 +89,10 @@ class CustomAllreduce:
     ``check()``). ``algorithm``: "auto" (the tuned or built-in table) or one
     of ``p2p_allreduce.algorithms()``. ``exchange``: a callable
     ``f(bytes) -> list[bytes]`` with ``rank`` and ``world`` attributes, to
-    set up without ``torch.distributed``.
+    set up without ``torch.distributed``. ``deterministic``: keep every
+    size up to ``max_size`` on our kernels even where the table measured
+    NCCL faster (``None``: ``P2P_ALLREDUCE_DETERMINISTIC=1`` turns it on);
+    off, ``should_use`` leaves those sizes to NCCL.
     """
 
     def __init__(
@@ -93,6 +104,7 @@ class CustomAllreduce:
         timeout: float = 10.0,
         algorithm: str = "auto",
         exchange: Optional[Callable[[bytes], List[bytes]]] = None,
+        deterministic: Optional[bool] = None,
     ):
         if algorithm != "auto" and algorithm not in _native.algorithms():
             raise UsageError(f"algorithm {algorithm!r} is not 'auto' or one of {_native.algorithms()}")
@@ -124,6 +136,11 @@ class CustomAllreduce:
         self._native = _native.Group(
             exchange.rank, exchange.world, device.index, exchange, max_bytes=max_size, timeout_s=timeout
         )
+        #: Every size up to max_size on our kernels (see ``routing``).
+        self.deterministic = routing.deterministic_from_env() if deterministic is None else bool(deterministic)
+        #: Who the table gives each size to: ``[(up_to, winner, margin)]``.
+        self.nccl_bands = list(self._native.nccl_bands)
+        routing.check_bands(self.nccl_bands)
         self._in_capture = False
         self._zero_copy = True
         self._last_stream: Optional[int] = None
@@ -179,9 +196,10 @@ class CustomAllreduce:
     def should_use(self, tensor) -> bool:
         """Whether this allreduce should go to us rather than NCCL: a
         supported, contiguous, 16-byte aligned CUDA tensor on this rank's
-        device, at most ``max_size`` bytes, in a group of 2 ranks or more;
-        on PCIe without a tuned table (``p2p-allreduce tune``), at most
-        512 KiB."""
+        device, at most ``max_size`` bytes, in a group of 2 ranks or more,
+        of a size the table does not give to NCCL (unless
+        ``deterministic``); on PCIe without a tuned table
+        (``p2p-allreduce tune``), at most 512 KiB."""
         try:
             self._kind(tensor, "tensor")
         except UsageError:
@@ -192,11 +210,24 @@ class CustomAllreduce:
             return False
         if g.link == "pcie" and not g.tuned and n > PCIE_UNTUNED_MAX:
             return False
-        return True
+        return self.backend_for(n) == routing.OURS
+
+    def backend_for(self, nbytes: int) -> str:
+        """Who runs a message of ``nbytes`` bytes: "ours", or "nccl" /
+        "nccl_symmetric" where the table measured NCCL faster and the
+        group is not deterministic. The same on every rank."""
+        if self.world < 2:
+            return routing.OURS
+        return routing.route(self.nccl_bands, nbytes, self.deterministic)
 
     def choose(self, tensor) -> str:
-        """The algorithm ``allreduce`` would run for ``tensor``."""
-        return self._group().choose(self._kind(tensor, "tensor"), tensor.numel(), self.algorithm)
+        """What runs ``tensor``'s allreduce: the algorithm ``allreduce``
+        would run, or "nccl" where the table gives its size to NCCL (and
+        the group is not deterministic): ``should_use`` then says no."""
+        dt = self._kind(tensor, "tensor")
+        if self.backend_for(tensor.nbytes) != routing.OURS:
+            return routing.NCCL
+        return self._group().choose(dt, tensor.numel(), self.algorithm)
 
     # ---- allreduce -----------------------------------------------------------
     def allreduce(self, tensor, out=None, *, algorithm: Optional[str] = None):
@@ -360,7 +391,8 @@ class CustomAllreduce:
         self._registered.clear()
 
     def __repr__(self) -> str:
-        return f"CustomAllreduce({self._native!r}, algorithm={self.algorithm!r})"
+        return (f"CustomAllreduce({self._native!r}, algorithm={self.algorithm!r}, "
+                f"deterministic={self.deterministic!r})")
 
 
 def torch_empty_like(t):

@@ -354,6 +354,38 @@ impl Group {
         )
     }
 
+    /// Who the table gives each size to, for this group's link and world:
+    /// `[(up_to bytes or None for no limit, winner, margin or None)]`,
+    /// winner one of "ours", "nccl", "nccl_symmetric" (what
+    /// `p2p-allreduce tune` measured; all "ours" without a table).
+    #[getter]
+    fn nccl_bands(&self) -> Vec<(Option<usize>, &'static str, Option<f64>)> {
+        self.group
+            .config()
+            .thresholds
+            .winners(self.group.link(), self.world)
+            .iter()
+            .map(|b| {
+                (
+                    (b.up_to != usize::MAX).then_some(b.up_to),
+                    b.winner.name(),
+                    b.margin,
+                )
+            })
+            .collect()
+    }
+
+    /// Who runs `count` elements of `dtype`: "ours", "nccl" or
+    /// "nccl_symmetric" (`deterministic`: always "ours").
+    fn route(&self, dtype_name: &str, count: usize, deterministic: bool) -> PyResult<&'static str> {
+        let mode = if deterministic {
+            p2p_allreduce::thresholds::Mode::Deterministic
+        } else {
+            p2p_allreduce::thresholds::Mode::Fastest
+        };
+        Ok(self.group.route(count, dtype(dtype_name)?, mode).name())
+    }
+
     /// The algorithm `algo` resolves to for `count` elements of `dtype`.
     fn choose(&self, dtype_name: &str, count: usize, algo_name: &str) -> PyResult<&'static str> {
         let (dt, choice) = (dtype(dtype_name)?, algo(algo_name)?);

@@ -6,8 +6,10 @@ cases give the adapter a stand-in backend that sums over gloo (the
 adapter's `test_backend` hook); the setup cases use no stand-in. Each rank
 writes ``<outdir>/rank<r>.json``: ``[[case, error or null], ...]``."""
 
+import importlib.util
 import json
 import os
+import sys
 import traceback
 import types
 
@@ -210,6 +212,58 @@ def run_vllm(rank, world, group, case, _adapter):
 
     case("vLLM's dispatch calls ours, and falls back for the rest", routed)
 
+    def batch_invariant():
+        # vLLM's own flag, read the way vLLM reads it (vllm.envs).
+        import logging
+
+        import vllm.envs as envs
+
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        seen = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        log = logging.getLogger("p2p_allreduce")
+        log.addHandler(handler)
+        old_level = log.level
+        log.setLevel(logging.INFO)
+        _adapter.EngineAllreduce.test_backend = GlooSum
+        try:
+            assert envs.VLLM_BATCH_INVARIANT, "vLLM does not see VLLM_BATCH_INVARIANT=1"
+            assert p2p_vllm.batch_invariant() == "VLLM_BATCH_INVARIANT=1"
+            p2p_vllm.uninstall()
+            assert p2p_vllm.install()
+            assert any("VLLM_BATCH_INVARIANT=1: deterministic mode" in m for m in seen), seen
+            ca = build()
+        finally:
+            _adapter.EngineAllreduce.test_backend = None
+            os.environ.pop("VLLM_BATCH_INVARIANT", None)
+            log.removeHandler(handler)
+            log.setLevel(old_level)
+        assert not ca.disabled, ca.reason
+        assert ca.deterministic and ca.deterministic_reason == "VLLM_BATCH_INVARIANT=1", ca.deterministic_reason
+        if rank == 0:
+            assert any("deterministic mode (VLLM_BATCH_INVARIANT=1)" in m for m in seen), seen
+        # Every size comes to us, above max_size too: a token's sum keeps
+        # its bits whatever the batch.
+        comm = types.SimpleNamespace(
+            fi_ar_comm=None, pynccl_comm=None, qr_comm=None, fi_pcie_ipc_ar_comm=None, aiter_ar_comm=None,
+            use_aiter_allreduce=False, symm_mem_comm=None, ca_comm=ca, device_group=group)
+        big = rank_data(rank, (ca.max_size // 4) + 4)
+        assert ca.should_custom_ar(big)
+        GlooSum.calls.clear()
+        out = CudaCommunicator.all_reduce(comm, big)
+        assert GlooSum.calls == [("allreduce", tuple(big.shape))], GlooSum.calls
+        assert same_bits(out, rank_order_sum(world, big.numel())), "wrong sum"
+        # Without the flag, the same size is left to vLLM.
+        _adapter.EngineAllreduce.test_backend = GlooSum
+        try:
+            plain = build()
+        finally:
+            _adapter.EngineAllreduce.test_backend = None
+        assert not plain.deterministic and not plain.should_custom_ar(big)
+
+    case("VLLM_BATCH_INVARIANT=1: ours in deterministic mode at every size", batch_invariant)
+
 
 def run_sglang(rank, world, group, case, _adapter):
     import sglang.srt.distributed.device_communicators.custom_all_reduce as cam
@@ -293,3 +347,61 @@ def run_sglang(rank, world, group, case, _adapter):
             ps.get_attn_tp_group, ps.get_tp_group, dpa.is_dp_attention_enabled = real
 
     case("SGLang's group and fused op call ours", routed)
+
+    def deterministic_inference():
+        # What --enable-deterministic-inference leaves in SGLang's resolved
+        # settings (its `_handle_deterministic_inference` declares
+        # disable_custom_all_reduce=True; the raw argument stays False), seen
+        # through the runtime-context getters SGLang's code reads; SGLang's
+        # own setter (as bootstrap calls it) and GroupCoordinator do the rest.
+        import sglang.srt.runtime_context as rc
+
+        # bootstrap (which calls set_custom_all_reduce at startup) imports
+        # gated_launch, an HTTP gate that needs fastapi and uvicorn, which
+        # the pinned test environment leaves out: a stand-in for it only.
+        if importlib.util.find_spec("uvicorn") is None:
+            gate = types.ModuleType("sglang.srt.distributed.gated_launch")
+            gate.maybe_wait_for_gated_launch = lambda **kwargs: None
+            sys.modules.setdefault("sglang.srt.distributed.gated_launch", gate)
+        import sglang.srt.distributed.bootstrap as boot
+
+        # Installed before bootstrap could be imported: again, so that its
+        # setter is wrapped as in a server process.
+        p2p_sglang.uninstall()
+        assert p2p_sglang.install()
+
+        real = (rc.get_exec, rc.get_server_args)
+        resolved = types.SimpleNamespace(
+            deterministic=types.SimpleNamespace(enable_deterministic_inference=True),
+            comm=types.SimpleNamespace(disable_custom_all_reduce=True))
+        raw = types.SimpleNamespace(disable_custom_all_reduce=False, enable_deterministic_inference=True)
+        rc.get_exec, rc.get_server_args = (lambda: resolved), (lambda: raw)
+        _adapter.EngineAllreduce.test_backend = GlooSum
+        try:
+            assert boot.set_custom_all_reduce is p2p_sglang._set_custom_all_reduce, "bootstrap's setter not wrapped"
+            boot.set_custom_all_reduce(not resolved.comm.disable_custom_all_reduce)
+            assert ps._ENABLE_CUSTOM_ALL_REDUCE is True, "deterministic inference turned ours off"
+            # As init_model_parallel_group passes it for the TP group.
+            c = GroupCoordinator(group_ranks=[list(range(world))], local_rank=rank, torch_distributed_backend="gloo",
+                                 use_pynccl=False, use_mscclpp=False, use_custom_allreduce=ps._ENABLE_CUSTOM_ALL_REDUCE,
+                                 use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False,
+                                 use_xpu_communicator=False)
+            ca = c.ca_comm
+            assert isinstance(ca, p2p_sglang.P2PCustomAllreduce) and not ca.disabled, getattr(ca, "reason", ca)
+            assert ca.deterministic and ca.deterministic_reason == "--enable-deterministic-inference", \
+                ca.deterministic_reason
+            big = rank_data(rank, (ca.max_size // 4) + 4)
+            GlooSum.calls.clear()
+            out = c._all_reduce_out_place(big, "auto")
+            assert GlooSum.calls == [("allreduce", tuple(big.shape))], GlooSum.calls
+            assert same_bits(out, rank_order_sum(world, big.numel()))
+            # --disable-custom-all-reduce given explicitly still wins.
+            raw.disable_custom_all_reduce = True
+            boot.set_custom_all_reduce(False)
+            assert ps._ENABLE_CUSTOM_ALL_REDUCE is False
+        finally:
+            ps.set_custom_all_reduce(True)
+            rc.get_exec, rc.get_server_args = real
+            _adapter.EngineAllreduce.test_backend = None
+
+    case("--enable-deterministic-inference keeps ours on, in deterministic mode", deterministic_inference)

@@ -81,11 +81,13 @@ class EngineTests(unittest.TestCase):
     @unittest.skipIf(TORCH or missing("vllm"), TORCH or missing("vllm") or "")
     def test_vllm(self):
         self.check("vllm", ["install, plugin and env", *self.SETUP,
-                            "vLLM's dispatch calls ours, and falls back for the rest"])
+                            "vLLM's dispatch calls ours, and falls back for the rest",
+                            "VLLM_BATCH_INVARIANT=1: ours in deterministic mode at every size"])
 
     @unittest.skipIf(TORCH or missing("sglang"), TORCH or missing("sglang") or "")
     def test_sglang(self):
-        self.check("sglang", ["install, plugin and env", *self.SETUP, "SGLang's group and fused op call ours"])
+        self.check("sglang", ["install, plugin and env", *self.SETUP, "SGLang's group and fused op call ours",
+                              "--enable-deterministic-inference keeps ours on, in deterministic mode"])
 
 
 @unittest.skipIf(TORCH, TORCH or "")

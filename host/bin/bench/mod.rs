@@ -190,7 +190,7 @@ fn report(args: &BenchArgs, rows: &[Row], failures: usize, title: &str) -> ExitC
     footer(rows);
     let ours_wrong = rows
         .iter()
-        .filter(|r| r.requested != NCCL)
+        .filter(|r| r.requested != NCCL && ![NCCL, NCCL_SYMMETRIC].contains(&r.algorithm))
         .any(|r| r.wrong.unwrap_or(0) > 0);
     let mut code = if failures > 0 || ours_wrong {
         ExitCode::FAILURE
@@ -224,14 +224,22 @@ fn report(args: &BenchArgs, rows: &[Row], failures: usize, title: &str) -> ExitC
     code
 }
 
-/// The name of the NCCL rows.
-const NCCL: &str = "nccl";
+/// The name of the NCCL rows (as thresholds files name the backend).
+pub const NCCL: &str = "nccl";
+/// The name of the rows of NCCL on symmetric windows (NCCL >= 2.27).
+pub const NCCL_SYMMETRIC: &str = "nccl_symmetric";
+/// The name of the rows of `Auto` with NCCL: each size to whoever the
+/// group's table gives it (ours, NCCL, NCCL on symmetric windows).
+pub const AUTO_NCCL: &str = "auto+nccl";
 
-/// What one row runs: one of our algorithms, or NCCL.
+/// What one row runs: one of our algorithms, NCCL (plain or on symmetric
+/// windows), or Auto routing between them by the table.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum What {
     Kernel(AlgoChoice),
     Nccl,
+    NcclSymmetric,
+    AutoNccl,
 }
 
 impl What {
@@ -239,6 +247,8 @@ impl What {
         match self {
             What::Kernel(a) => algo_name(a),
             What::Nccl => NCCL,
+            What::NcclSymmetric => NCCL_SYMMETRIC,
+            What::AutoNccl => AUTO_NCCL,
         }
     }
 }

@@ -5,18 +5,21 @@
 #[cfg(feature = "nccl")]
 use super::table::print_nccl_library;
 use super::table::{column_names, describe, header};
-#[cfg(feature = "nccl")]
-use super::NCCL;
 use super::{config, fill_for, kernel_rows, sweep_rows, BenchArgs, Rows, Runner, What};
+#[cfg(feature = "nccl")]
+use super::{NCCL, NCCL_SYMMETRIC};
 use crate::open_gpu;
 #[cfg(feature = "nccl")]
 use cudarc::driver::DevicePtrMut;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use p2p_allreduce::abi::{Algorithm, Dtype};
+#[cfg(feature = "nccl")]
+use p2p_allreduce::driver;
 use p2p_allreduce::error::Context as _;
 use p2p_allreduce::measure::{self, Sample, Timing};
+use p2p_allreduce::thresholds::{Backend, Mode};
 use p2p_allreduce::validate::{self, Bits, Mismatch};
-use p2p_allreduce::{Error, PeerGroup, RegisteredBuffers, Result};
+use p2p_allreduce::{AlgoChoice, Error, PeerGroup, RegisteredBuffers, Result};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -54,14 +57,21 @@ pub(super) fn run_peer(args: &BenchArgs, sizes: &[usize]) -> Rows {
         args,
         sizes,
     );
-    let nccl = nccl_for_peer(args, &streams);
-    column_names();
     let max_count = sizes[sizes.len() - 1] / args.datatype.size();
+    let nccl = nccl_for_peer(args, &streams, max_count * args.datatype.size());
+    column_names();
     let fill_bits = fill_for(args, max_count);
     let mut whats = kernel_rows(args);
-    if nccl.is_some() {
+    if let Some((_, symmetric)) = &nccl {
         whats.push(What::Nccl);
+        if *symmetric {
+            whats.push(What::NcclSymmetric);
+        }
+        if args.algo.contains(&p2p_allreduce::AlgoChoice::Auto) {
+            whats.push(What::AutoNccl);
+        }
     }
+    let nccl = nccl.map(|(n, _)| n);
     let runner = match args.datatype {
         Dtype::F32 => PeerRunner::<f32>::new(group, streams, nccl, max_count, &fill_bits),
         Dtype::F16 => PeerRunner::<half::f16>::new(group, streams, nccl, max_count, &fill_bits),
@@ -82,8 +92,14 @@ type PeerNccl = p2p_allreduce::nccl::NcclGroup;
 #[cfg(not(feature = "nccl"))]
 type PeerNccl = std::convert::Infallible;
 
-/// NCCL communicators for the NCCL rows, or a printed reason why none.
-fn nccl_for_peer(args: &BenchArgs, streams: &[Arc<CudaStream>]) -> Option<PeerNccl> {
+/// NCCL communicators for the NCCL rows, and whether they have symmetric
+/// windows of `bytes` per rank (the `nccl_symmetric` rows), or a printed
+/// reason why none.
+fn nccl_for_peer(
+    args: &BenchArgs,
+    streams: &[Arc<CudaStream>],
+    bytes: usize,
+) -> Option<(PeerNccl, bool)> {
     if args.no_nccl {
         println!("# NCCL rows: left out (--no-nccl)");
         return None;
@@ -100,9 +116,25 @@ fn nccl_for_peer(args: &BenchArgs, streams: &[Arc<CudaStream>]) -> Option<PeerNc
             return None;
         }
         match p2p_allreduce::nccl::NcclGroup::new(streams) {
-            Ok(n) => {
+            Ok(mut n) => {
                 print_nccl_library();
-                Some(n)
+                let symmetric = match p2p_allreduce::nccl::symmetric_support()
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| n.enable_symmetric(bytes).map_err(|e| e.to_string()))
+                {
+                    Ok(_) => {
+                        println!("# nccl_symmetric rows: the same allreduce between buffers from ncclMemAlloc registered as symmetric windows (inputs hold the same data)");
+                        true
+                    }
+                    Err(e) => {
+                        println!("# nccl_symmetric rows: none: {e}");
+                        false
+                    }
+                };
+                if args.algo.contains(&p2p_allreduce::AlgoChoice::Auto) {
+                    println!("# auto+nccl rows: each size to whoever the group's table gives it (`p2p-allreduce info`): our Auto, NCCL, or NCCL on the symmetric windows");
+                }
+                Some((n, symmetric))
             }
             Err(e) => {
                 println!("# NCCL rows: none: {e}");
@@ -112,7 +144,7 @@ fn nccl_for_peer(args: &BenchArgs, streams: &[Arc<CudaStream>]) -> Option<PeerNc
     }
     #[cfg(not(feature = "nccl"))]
     {
-        let _ = streams;
+        let _ = (streams, bytes);
         println!("# NCCL rows: none (built without the `nccl` cargo feature)");
         None
     }
@@ -150,6 +182,16 @@ impl<T: Bits> PeerRunner<T> {
                     .during("cuMemAlloc (bench output)")?,
             );
         }
+        #[cfg(feature = "nccl")]
+        if let Some(sym) = nccl.as_ref().and_then(|n| n.symmetric()) {
+            for (r, s) in streams.iter().enumerate() {
+                if max_count > 0 && sym.bytes >= max_count * T::DTYPE.size() {
+                    // SAFETY: the symmetric input holds `sym.bytes` >=
+                    // max_count elements on rank r's device.
+                    unsafe { driver::write_at(s.context(), sym.inputs[r], &fill)? };
+                }
+            }
+        }
         Ok(Box::new(PeerRunner::<T> {
             group,
             streams,
@@ -159,8 +201,45 @@ impl<T: Bits> PeerRunner<T> {
         }))
     }
 
+    /// What `what` runs for `count` elements: `AutoNccl` asks the group's
+    /// table ([`PeerGroup::route`]); NCCL on symmetric windows only where
+    /// there are some.
+    fn step(&self, what: What, count: usize) -> Step {
+        let symmetric = self.has_symmetric();
+        let nccl = |b: Backend| {
+            if b == Backend::NcclSymmetric && symmetric {
+                Step::Nccl(Backend::NcclSymmetric)
+            } else {
+                Step::Nccl(Backend::Nccl)
+            }
+        };
+        match what {
+            What::Kernel(algo) => Step::Kernel(algo),
+            What::Nccl => Step::Nccl(Backend::Nccl),
+            What::NcclSymmetric => nccl(Backend::NcclSymmetric),
+            What::AutoNccl => match self.group.route(count, T::DTYPE, Mode::Fastest) {
+                Backend::Ours => Step::Kernel(AlgoChoice::Auto),
+                b => nccl(b),
+            },
+        }
+    }
+
+    fn has_symmetric(&self) -> bool {
+        #[cfg(feature = "nccl")]
+        return self.nccl.as_ref().is_some_and(|n| n.symmetric().is_some());
+        #[cfg(not(feature = "nccl"))]
+        false
+    }
+
+    /// NCCL's pointers for `backend`: the symmetric windows for
+    /// `NcclSymmetric`, else the registered inputs and the outputs.
     #[cfg(feature = "nccl")]
-    fn ptrs(&mut self) -> (Vec<u64>, Vec<u64>) {
+    fn ptrs(&mut self, backend: Backend) -> (Vec<u64>, Vec<u64>) {
+        if backend == Backend::NcclSymmetric {
+            if let Some(sym) = self.nccl.as_ref().and_then(|n| n.symmetric()) {
+                return (sym.inputs, sym.outputs);
+            }
+        }
         let ins = (0..self.streams.len()).map(|r| self.reg.ptr(r)).collect();
         let outs = self
             .outs
@@ -172,15 +251,33 @@ impl<T: Bits> PeerRunner<T> {
     }
 }
 
+/// One row's work at one size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Step {
+    Kernel(AlgoChoice),
+    /// `Nccl` or `NcclSymmetric`.
+    Nccl(Backend),
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_name(b: Backend) -> &'static str {
+    if b == Backend::NcclSymmetric {
+        NCCL_SYMMETRIC
+    } else {
+        NCCL
+    }
+}
+
 impl<T: Bits> Runner for PeerRunner<T> {
     fn world(&self) -> usize {
         self.group.world()
     }
     fn time(&mut self, count: usize, what: What, timing: Timing) -> Result<(Sample, &'static str)> {
         let mut used = Algorithm::OneStage;
+        let step = self.step(what, count);
         let (group, streams, reg) = (&self.group, &self.streams, &self.reg);
-        let times = match what {
-            What::Kernel(algo) => {
+        let times = match step {
+            Step::Kernel(algo) => {
                 let outs = &mut self.outs;
                 measure::time_graphs(
                     streams,
@@ -193,10 +290,10 @@ impl<T: Bits> Runner for PeerRunner<T> {
                     || group.check(streams),
                 )?
             }
-            What::Nccl => {
+            Step::Nccl(backend) => {
                 #[cfg(feature = "nccl")]
                 {
-                    let (ins, outs) = self.ptrs();
+                    let (ins, outs) = self.ptrs(backend);
                     let n = self
                         .nccl
                         .as_ref()
@@ -205,16 +302,20 @@ impl<T: Bits> Runner for PeerRunner<T> {
                     let t = measure::time_graphs(
                         streams,
                         timing,
-                        // SAFETY: the registered buffers and outputs hold
-                        // max_count >= count elements and outlive the graphs.
+                        // SAFETY: the registered buffers, outputs and
+                        // symmetric windows hold max_count >= count
+                        // elements and outlive the graphs.
                         || unsafe { n.allreduce_raw(streams, T::DTYPE, count, &ins, &outs) },
                         || Ok(()),
                         || sync_all(streams),
                     )?;
-                    return Ok((Sample::from_times(used, t), NCCL));
+                    return Ok((Sample::from_times(used, t), nccl_name(backend)));
                 }
                 #[cfg(not(feature = "nccl"))]
-                return Err(Error::Nccl("built without the `nccl` feature".into()));
+                {
+                    let _ = backend;
+                    return Err(Error::Nccl("built without the `nccl` feature".into()));
+                }
             }
         };
         let s = Sample::from_times(used, times);
@@ -235,8 +336,8 @@ impl<T: Bits> Runner for PeerRunner<T> {
                     .during("cuMemcpyHtoD (poisoned output)")
             })
             .collect::<Result<Vec<_>>>()?;
-        match what {
-            What::Kernel(algo) => {
+        match self.step(what, count) {
+            Step::Kernel(algo) => {
                 self.group.allreduce_registered(
                     &self.streams,
                     &self.reg,
@@ -246,25 +347,45 @@ impl<T: Bits> Runner for PeerRunner<T> {
                 )?;
                 self.group.check(&self.streams)?;
             }
-            What::Nccl => {
+            Step::Nccl(backend) => {
                 #[cfg(feature = "nccl")]
                 {
-                    let (ins, _) = self.ptrs();
-                    let outs: Vec<u64> = fresh
-                        .iter_mut()
-                        .zip(&self.streams)
-                        .map(|(o, s)| o.device_ptr_mut(s).0)
-                        .collect();
+                    let (ins, mut outs) = self.ptrs(backend);
+                    let windows = backend == Backend::NcclSymmetric;
+                    if windows {
+                        for (r, s) in self.streams.iter().enumerate() {
+                            // SAFETY: the window output holds >= count elements.
+                            unsafe { driver::write_at(s.context(), outs[r], &poison[..count])? };
+                        }
+                    } else {
+                        outs = fresh
+                            .iter_mut()
+                            .zip(&self.streams)
+                            .map(|(o, s)| o.device_ptr_mut(s).0)
+                            .collect();
+                    }
                     let n = self
                         .nccl
                         .as_ref()
                         .ok_or_else(|| Error::Nccl("NCCL was not set up".into()))?;
-                    // SAFETY: inputs and fresh outputs hold >= count elements.
+                    // SAFETY: inputs and outputs hold >= count elements.
                     unsafe { n.allreduce_raw(&self.streams, T::DTYPE, count, &ins, &outs)? };
+                    if windows {
+                        for ((f, s), &o) in fresh.iter_mut().zip(&self.streams).zip(&outs) {
+                            let dst = f.device_ptr_mut(s).0;
+                            // SAFETY: both hold >= count elements on this
+                            // rank's device; ordered after the allreduce
+                            // on the same stream.
+                            unsafe { driver::copy_dtod_async(s, dst, o, count * T::DTYPE.size())? };
+                        }
+                    }
                     sync_all(&self.streams)?;
                 }
                 #[cfg(not(feature = "nccl"))]
-                return Err(Error::Nccl("built without the `nccl` feature".into()));
+                {
+                    let _ = backend;
+                    return Err(Error::Nccl("built without the `nccl` feature".into()));
+                }
             }
         }
         let got = fresh

@@ -16,8 +16,9 @@ use p2p_allreduce::driver::DeviceAlloc;
 #[cfg(feature = "nccl")]
 use p2p_allreduce::error::Context as _;
 use p2p_allreduce::measure::{self, Sample, Timing};
+use p2p_allreduce::thresholds;
 use p2p_allreduce::validate::{self, Bits, Mismatch};
-use p2p_allreduce::{Error, ProcessGroup, Result};
+use p2p_allreduce::{AlgoChoice, Error, ProcessGroup, Result};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -55,6 +56,9 @@ pub(super) fn run_rank(args: &BenchArgs, sizes: &[usize], env: &RankEnv) -> Exit
     let mut whats = kernel_rows(args);
     if nccl.is_some() {
         whats.push(What::Nccl);
+        if args.algo.contains(&AlgoChoice::Auto) {
+            whats.push(What::AutoNccl);
+        }
     }
     let runner = match args.datatype {
         Dtype::F32 => ProcRunner::<f32>::new(group, &ex, stream, nccl, max_count, &fill_bits),
@@ -190,15 +194,44 @@ impl<'a, T: Bits> ProcRunner<'a, T> {
     }
 }
 
+impl<T: Bits> ProcRunner<'_, T> {
+    /// What `what` runs here for `count` elements: `auto+nccl` by the
+    /// group's table (the same answer on every rank); NCCL's symmetric
+    /// windows are timed in one process (`--gpus`) only.
+    fn resolve(&self, what: What, count: usize) -> Result<Step> {
+        match what {
+            What::Kernel(algo) => Ok(Step::Kernel(algo)),
+            What::Nccl => Ok(Step::Nccl),
+            What::AutoNccl => Ok(
+                match self.group.route(count, T::DTYPE, thresholds::Mode::Fastest) {
+                    thresholds::Backend::Ours => Step::Kernel(AlgoChoice::Auto),
+                    _ => Step::Nccl,
+                },
+            ),
+            What::NcclSymmetric => Err(Error::Nccl(
+                "nccl_symmetric rows run with --gpus in one process, not --procs".into(),
+            )),
+        }
+    }
+}
+
+/// One row's work at one size in this process.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Step {
+    Kernel(AlgoChoice),
+    Nccl,
+}
+
 impl<T: Bits> Runner for ProcRunner<'_, T> {
     fn world(&self) -> usize {
         self.group.world()
     }
     fn time(&mut self, count: usize, what: What, timing: Timing) -> Result<(Sample, &'static str)> {
+        let what = self.resolve(what, count)?;
         let streams = [self.stream.clone()];
         let (i, o) = (self.input.ptr(), self.output.ptr());
         match what {
-            What::Kernel(algo) => {
+            Step::Kernel(algo) => {
                 let mut used = Algorithm::OneStage;
                 let g = &self.group;
                 let s = &self.stream;
@@ -216,7 +249,7 @@ impl<T: Bits> Runner for ProcRunner<'_, T> {
                 )?;
                 Ok((Sample::from_times(used, times), used.name()))
             }
-            What::Nccl => {
+            Step::Nccl => {
                 #[cfg(feature = "nccl")]
                 {
                     let n = self
@@ -245,12 +278,13 @@ impl<T: Bits> Runner for ProcRunner<'_, T> {
         what: What,
         want: &[u32],
     ) -> Result<(usize, Option<Mismatch>)> {
+        let what = self.resolve(what, count)?;
         let poison = vec![validate::poison_bits(T::DTYPE); count.max(1)];
         let poison: Vec<T> = validate::from_bits(&poison);
         self.output.write(&poison)?;
         let (i, o) = (self.input.ptr(), self.output.ptr());
         match what {
-            What::Kernel(algo) => {
+            Step::Kernel(algo) => {
                 // The timed path once more: a graph of one zero-copy allreduce.
                 let s = &self.stream;
                 let g = &self.group;
@@ -270,7 +304,7 @@ impl<T: Bits> Runner for ProcRunner<'_, T> {
                     || g.check(s),
                 )?;
             }
-            What::Nccl => {
+            Step::Nccl => {
                 #[cfg(feature = "nccl")]
                 {
                     let n = self

@@ -17,6 +17,17 @@ Invariants an engine relies on, kept here:
   capture; allreduces captured inside read the captured tensors directly and
   their buffers are exchanged when it exits; outside a stream capture (the
   engine's warm-up runs) every call is a real allreduce.
+- **NCCL where it is faster.** Sizes the machine's table
+  (``p2p-allreduce tune``) measured NCCL faster at are not taken, so the
+  engine's own NCCL path runs them, unless the group is deterministic.
+- **Deterministic.** ``P2P_ALLREDUCE_DETERMINISTIC=1``, or the engine's own
+  deterministic mode (vLLM's ``VLLM_BATCH_INVARIANT=1``, SGLang's
+  ``--enable-deterministic-inference``), puts the group in deterministic
+  mode: every size goes to our kernels (messages above ``max_size`` in
+  chunks), so a token's sum has the same bits whatever the batch, instead
+  of crossing into the engine's NCCL at some size. Decided once, at
+  construction, the same on every rank (any rank asking for it turns it on
+  for all).
 """
 
 import contextlib
@@ -71,7 +82,9 @@ class EngineAllreduce:
     per replay) instead of exchanging the captured tensors' IPC handles;
     for engines whose graph memory is not IPC-exportable (cuMem pools).
     ``backend``: for tests, a callable ``(group, device, max_size) ->
-    object`` with CustomAllreduce's methods.
+    object`` with CustomAllreduce's methods. ``deterministic``: force the
+    mode (``None``: ``P2P_ALLREDUCE_DETERMINISTIC`` or the engine's own
+    deterministic mode, ``engine_deterministic()``).
     """
 
     #: The engine's name in log lines.
@@ -81,7 +94,7 @@ class EngineAllreduce:
     test_backend: Optional[Callable] = None
 
     def __init__(self, group, device, max_size: int = 8 << 20, *, zero_copy_graphs: bool = True,
-                 backend: Optional[Callable] = None):
+                 backend: Optional[Callable] = None, deterministic: Optional[bool] = None):
         import torch.distributed as dist
 
         self.group = group
@@ -95,7 +108,30 @@ class EngineAllreduce:
         self.reason: Optional[str] = None
         self.ca = None
         self._first_call_logged = False
+        #: Why this rank asks for deterministic mode (None: it does not).
+        self.deterministic_reason: Optional[str] = self._deterministic_reason(deterministic)
+        #: Deterministic mode, as the ranks agreed at construction.
+        self.deterministic = self.deterministic_reason is not None
         self._build(dist, backend if backend is not None else EngineAllreduce.test_backend)
+
+    # ---- mode -----------------------------------------------------------
+    def engine_deterministic(self) -> Optional[str]:
+        """The engine's own deterministic mode as a reason (e.g.
+        "VLLM_BATCH_INVARIANT=1"), or None. Engines override it."""
+        return None
+
+    def _deterministic_reason(self, forced: Optional[bool]) -> Optional[str]:
+        from .. import routing
+
+        if forced is not None:
+            return "deterministic=True" if forced else None
+        if routing.deterministic_from_env():
+            return f"{routing.ENV_DETERMINISTIC}=1"
+        try:
+            return self.engine_deterministic()
+        except Exception as e:  # noqa: BLE001 - an engine layout we do not know: say so, assume not
+            logger.warning("p2p_allreduce (%s): cannot read the engine's deterministic mode: %s", self.engine, e)
+            return None
 
     # ---- setup -----------------------------------------------------------
     def _vote(self, dist, mine):
@@ -111,7 +147,13 @@ class EngineAllreduce:
             self.reason = f"{self.world_size} ranks: the kernels take at most 8"
             return
         why = None if backend is not None else _local_readiness(self.device)
-        votes = self._vote(dist, (why, host_identity()))
+        votes = self._vote(dist, (why, host_identity(), self.deterministic_reason))
+        # Deterministic if any rank asks: every rank must route alike.
+        asked = [d for _, _, d in votes if d is not None]
+        if asked and self.deterministic_reason is None:
+            self.deterministic_reason = f"{asked[0]} on another rank"
+        self.deterministic = bool(asked)
+        votes = [(w, h) for w, h, _ in votes]
         hosts = {h for _, h in votes}
         if len(hosts) > 1:
             self.reason = "the group spans several hosts (CUDA IPC is within one host): the engine's NCCL path runs"
@@ -127,7 +169,8 @@ class EngineAllreduce:
                 else:
                     from ..custom_allreduce import CustomAllreduce
 
-                    self.ca = CustomAllreduce(self.group, self.device, max_size=self.max_size)
+                    self.ca = CustomAllreduce(self.group, self.device, max_size=self.max_size,
+                                              deterministic=self.deterministic)
             except Exception as e:  # noqa: BLE001 - any failure disables every rank, below
                 err = f"{type(e).__name__}: {e}"
             # Setup succeeded everywhere, or nowhere is it used.
@@ -143,21 +186,45 @@ class EngineAllreduce:
                 logger.info("p2p_allreduce (%s): off for this group of %d ranks: %s", self.engine, self.world_size,
                             self.reason)
             else:
-                logger.info("p2p_allreduce (%s): on for a group of %d ranks (link %s, max %d bytes)", self.engine,
-                            self.world_size, getattr(self.ca, "link", "?"), self.max_size)
+                logger.info("p2p_allreduce (%s): on for a group of %d ranks (link %s, max %d bytes), %s", self.engine,
+                            self.world_size, getattr(self.ca, "link", "?"), self.max_size, self.mode_line())
+
+    def mode_line(self) -> str:
+        """The routing mode in words, for the log."""
+        if self.deterministic:
+            return (f"deterministic mode ({self.deterministic_reason}): every allreduce on our kernels, the same "
+                    "bits at every size and batch (above max_size in chunks)")
+        bands = getattr(self.ca, "nccl_bands", None) or []
+        to_nccl = [b for b in bands if b[1] != "ours"]
+        if not to_nccl:
+            return "fastest mode: no size measured faster on NCCL"
+        low, parts = 0, []
+        for up_to, who, _margin in bands:
+            if who != "ours":
+                parts.append(f"{who} {low + 1}..{'' if up_to is None else up_to} B")
+            low = up_to if up_to is not None else low
+        return "fastest mode: the engine's NCCL takes " + ", ".join(parts) + " (measured faster by p2p-allreduce tune)"
 
     # ---- the gate ------------------------------------------------------------
     def takes(self, t) -> bool:
         """Whether ``t`` comes to us: a contiguous float32/float16/bfloat16
-        CUDA tensor of at most ``max_size`` bytes, in an enabled group. The
-        same answer on every rank for the same shape and dtype."""
+        CUDA tensor, in an enabled group; of at most ``max_size`` bytes and
+        a size the table does not give to NCCL, unless the group is
+        deterministic (then every size: larger ones run in chunks). The same
+        answer on every rank for the same shape and dtype."""
         if self.disabled:
             return False
         if str(t.dtype) not in _DTYPES or not t.is_contiguous() or t.numel() == 0:
             return False
         if t.device.type != "cuda" and not getattr(self.ca, "accepts_cpu", False):
             return False
-        return t.numel() * t.element_size() <= self.max_size
+        if self.deterministic:
+            return True
+        n = t.numel() * t.element_size()
+        if n > self.max_size:
+            return False
+        backend_for = getattr(self.ca, "backend_for", None)
+        return backend_for is None or backend_for(n) == "ours"
 
     # ---- calls ---------------------------------------------------------------
     def reduced(self, t):

@@ -26,6 +26,15 @@ What ``install()`` changes, in this process (SGLang's files are untouched):
   ``flashinfer_allreduce_residual_rmsnorm`` returns our fresh
   ``(normed, residual)``; it declines (``(None, None)``) wherever our group is
   off or the message does not fit, and SGLang then runs its unfused path.
+- Deterministic: SGLang's ``--enable-deterministic-inference`` turns custom
+  allreduce off (and pins NCCL to ``allreduce:tree`` with a fixed channel
+  count). With ours installed it stays on instead, in deterministic mode:
+  every allreduce of the group on our kernels, at every size (the same bits
+  whatever the batch). ``set_custom_all_reduce`` (in ``parallel_state`` and
+  where ``bootstrap`` imported it) is wrapped to keep it on in that mode,
+  unless ``--disable-custom-all-reduce`` was given explicitly; ``install()``
+  and the group's first log line say so. ``P2P_ALLREDUCE_DETERMINISTIC=1``
+  does the same without SGLang's mode.
 """
 
 import importlib
@@ -37,6 +46,9 @@ from ._adapter import EngineAllreduce, enabled_by_env
 logger = logging.getLogger("p2p_allreduce")
 
 _CA = "sglang.srt.distributed.device_communicators.custom_all_reduce"
+_PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+#: Modules that imported ``set_custom_all_reduce`` by name.
+_SETTER_HOMES = (_PARALLEL_STATE, "sglang.srt.distributed.bootstrap")
 _FUSION = "sglang.srt.layers.flashinfer_comm_fusion"
 #: Modules that imported the fusion predicate by name.
 _PREDICATE_HOMES = (
@@ -55,6 +67,9 @@ class P2PCustomAllreduce(EngineAllreduce):
 
     def __init__(self, group, device, max_size: int = 8 << 20, **kwargs):
         EngineAllreduce.__init__(self, group, device, max_size, backend=kwargs.pop("_p2p_backend", None))
+
+    def engine_deterministic(self):
+        return "--enable-deterministic-inference" if deterministic_inference() else None
 
     def should_custom_ar(self, inp) -> bool:
         return self.takes(inp)
@@ -160,6 +175,50 @@ def _make_op():
     return add_rmsnorm
 
 
+def deterministic_inference() -> bool:
+    """Whether SGLang's ``--enable-deterministic-inference`` is on (its
+    resolved execution settings; False before SGLang published them)."""
+    rc = importlib.import_module("sglang.srt.runtime_context")
+    try:
+        return bool(rc.get_exec().deterministic.enable_deterministic_inference)
+    except (ValueError, AttributeError):  # not published yet, or another layout
+        return False
+
+
+def _user_disabled_custom_all_reduce() -> bool:
+    """Whether ``--disable-custom-all-reduce`` was given (the raw argument,
+    not what SGLang resolved from other flags)."""
+    rc = importlib.import_module("sglang.srt.runtime_context")
+    try:
+        return bool(getattr(rc.get_server_args(), "disable_custom_all_reduce", False))
+    except (ValueError, AttributeError):
+        return False
+
+
+def _set_custom_all_reduce(enable: bool):
+    """Replaces SGLang's set_custom_all_reduce: keeps custom allreduce (ours)
+    on where SGLang's deterministic inference alone turned it off."""
+    if not enable and deterministic_inference() and not _user_disabled_custom_all_reduce():
+        enable = True
+        logger.info("p2p_allreduce (sglang): --enable-deterministic-inference turns custom allreduce off; ours stays "
+                    "on in deterministic mode (every allreduce of the group on our kernels, the same bits at every "
+                    "size and batch) instead of NCCL's allreduce:tree")
+    return _state["set_custom_all_reduce"](enable)
+
+
+def _mode_note() -> str:
+    from .. import routing
+
+    if deterministic_inference():
+        why = "--enable-deterministic-inference"
+    elif routing.deterministic_from_env():
+        why = f"{routing.ENV_DETERMINISTIC}=1"
+    else:
+        return "; sizes the tuned table measured faster on NCCL go to SGLang's NCCL"
+    return (f"; {why}: deterministic mode, every allreduce of the group on our kernels (the same bits at every "
+            "size and batch) instead of stepping aside for NCCL")
+
+
 def installed() -> bool:
     return getattr(importlib.import_module(_CA), "dispatch_custom_allreduce", None) is _dispatch
 
@@ -173,6 +232,18 @@ def install(*, fused: bool = True) -> bool:
         return False
     _state["dispatch"] = ca_mod.dispatch_custom_allreduce
     ca_mod.dispatch_custom_allreduce = _dispatch
+    _state["set_custom_all_reduce"] = importlib.import_module(_PARALLEL_STATE).set_custom_all_reduce
+    _state["setters"] = []
+    for name in _SETTER_HOMES:
+        try:
+            m = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - another SGLang layout: the other home still works
+            logger.warning("p2p_allreduce: %s not importable (%s): deterministic inference may turn our "
+                           "custom allreduce off there", name, e)
+            continue
+        if getattr(m, "set_custom_all_reduce", None) is _state["set_custom_all_reduce"]:
+            m.set_custom_all_reduce = _set_custom_all_reduce
+            _state["setters"].append(name)
     if fused:
         fusion = importlib.import_module(_FUSION)
         _state["fused"] = fusion.flashinfer_allreduce_residual_rmsnorm
@@ -183,8 +254,8 @@ def install(*, fused: bool = True) -> bool:
             m = importlib.import_module(name)
             _state["predicates"][name] = m.flashinfer_ar_fusion_applies
             m.flashinfer_ar_fusion_applies = _fusion_applies
-    logger.info("p2p_allreduce: installed into SGLang (custom allreduce%s)",
-                " and fused allreduce + residual + RMSNorm" if fused else "")
+    logger.info("p2p_allreduce: installed into SGLang (custom allreduce%s)%s",
+                " and fused allreduce + residual + RMSNorm" if fused else "", _mode_note())
     return True
 
 
@@ -192,6 +263,8 @@ def uninstall() -> None:
     """Puts SGLang's functions back (groups made meanwhile keep ours)."""
     if "dispatch" in _state:
         importlib.import_module(_CA).dispatch_custom_allreduce = _state.pop("dispatch")
+    for name in _state.pop("setters", []):
+        importlib.import_module(name).set_custom_all_reduce = _state["set_custom_all_reduce"]
     if "fused" in _state:
         importlib.import_module(_FUSION).flashinfer_allreduce_residual_rmsnorm = _state.pop("fused")
     for name, f in _state.pop("predicates", {}).items():

@@ -25,6 +25,14 @@ What ``install()`` changes, in this process (vLLM's files are untouched):
   ``-cc.pass_config.fuse_allreduce_rms=True`` still turns it on). Both give
   other bits than the rank-order sum, and the fused pass takes those
   allreduces away from the communicator.
+
+Deterministic: with vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``,
+in which vLLM turns its FlashInfer and fused allreduce off and pins NCCL to
+one tree channel), our group runs in deterministic mode: every allreduce of
+the tensor-parallel group on our kernels, at every size (the same bits
+whatever the batch), rather than any size going to NCCL. ``install()`` says
+so in its log line. ``P2P_ALLREDUCE_DETERMINISTIC=1`` does the same without
+batch invariance.
 """
 
 import logging
@@ -55,6 +63,9 @@ class _VllmMethods(EngineAllreduce):
         self.fully_connected = False
         self.mnnvl_only = False
         self.mnnvl_lamport_ag_multicast_ptr = 0
+
+    def engine_deterministic(self):
+        return batch_invariant()
 
     def should_custom_ar(self, inp) -> bool:
         return self.takes(inp)
@@ -89,6 +100,25 @@ def _ours_on(orig):
     return type("P2PCustomAllreduce", (_VllmMethods, orig), {"__module__": __name__, "_p2p_original": orig})
 
 
+def batch_invariant():
+    """"VLLM_BATCH_INVARIANT=1" when vLLM's batch-invariant mode is on (as
+    vLLM reads it, ``vllm.envs``), else None."""
+    import importlib
+
+    envs = importlib.import_module("vllm.envs")
+    return "VLLM_BATCH_INVARIANT=1" if getattr(envs, "VLLM_BATCH_INVARIANT", False) else None
+
+
+def _mode_note() -> str:
+    from .. import routing
+
+    why = batch_invariant() or (f"{routing.ENV_DETERMINISTIC}=1" if routing.deterministic_from_env() else None)
+    if why:
+        return (f"; {why}: deterministic mode, every tensor-parallel allreduce on our kernels (the same bits at "
+                "every size and batch) instead of vLLM's NCCL")
+    return "; sizes the tuned table measured faster on NCCL go to vLLM's NCCL"
+
+
 def installed() -> bool:
     import importlib
 
@@ -109,7 +139,7 @@ def install(*, flashinfer: bool = False) -> bool:
     if not flashinfer:
         os.environ.setdefault("VLLM_ALLREDUCE_USE_FLASHINFER", "0")
         _fusion_pass_default_off()
-    logger.info("p2p_allreduce: installed into vLLM (%s.CustomAllreduce)", _MODULE)
+    logger.info("p2p_allreduce: installed into vLLM (%s.CustomAllreduce)%s", _MODULE, _mode_note())
     return True
 
 
