@@ -1,7 +1,9 @@
 //! NCCL communicators: all ranks in this process ([`NcclGroup`]) or this
 //! process's rank of several ([`NcclRank`]).
 
-use super::{api, check, nccl_dtype, unique_id, Api, RawComm, UniqueId, NCCL_SUM, UNIQUE_ID_BYTES};
+use super::{
+    api, check, nccl_dtype, unique_id, Api, NcclOp, RawComm, UniqueId, NCCL_SUM, UNIQUE_ID_BYTES,
+};
 use crate::abi::Dtype;
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
@@ -45,6 +47,30 @@ impl Comm {
         input: u64,
         output: u64,
     ) -> Result<()> {
+        let op = NcclOp {
+            data_type: nccl_dtype(dtype),
+            op: NCCL_SUM,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.all_reduce_op(a, stream, op, count, input, output) }
+    }
+
+    /// Enqueues `ncclAllReduce` of `count` elements with `op`'s type and
+    /// reduction on `stream`.
+    ///
+    /// # Safety
+    /// `input` and `output` must be valid for `count` elements of
+    /// `op.data_type` on this communicator's device until the work on
+    /// `stream` completes.
+    unsafe fn all_reduce_op(
+        &self,
+        a: &Api,
+        stream: &CudaStream,
+        op: NcclOp,
+        count: usize,
+        input: u64,
+        output: u64,
+    ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::Nccl(format!("cuCtxSetCurrent: {e}")))?;
@@ -54,8 +80,8 @@ impl Comm {
                 input as *const c_void,
                 output as *mut c_void,
                 count,
-                nccl_dtype(dtype),
-                NCCL_SUM,
+                op.data_type,
+                op.op,
                 self.raw,
                 stream.cu_stream() as *mut c_void,
             )
@@ -200,6 +226,29 @@ impl NcclGroup {
         inputs: &[u64],
         outputs: &[u64],
     ) -> Result<()> {
+        let op = NcclOp {
+            data_type: nccl_dtype(dtype),
+            op: NCCL_SUM,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.allreduce_op_raw(streams, op, count, inputs, outputs) }
+    }
+
+    /// [`NcclGroup::allreduce_raw`] with any NCCL data type and reduction
+    /// (`op`).
+    ///
+    /// # Safety
+    /// `inputs[r]`/`outputs[r]` valid for `count` elements of
+    /// `op.data_type` on rank r's device until the work on `streams[r]`
+    /// completes.
+    pub(crate) unsafe fn allreduce_op_raw(
+        &self,
+        streams: &[Arc<CudaStream>],
+        op: NcclOp,
+        count: usize,
+        inputs: &[u64],
+        outputs: &[u64],
+    ) -> Result<()> {
         let a = api()?;
         let w = self.world();
         if streams.len() != w || inputs.len() != w || outputs.len() != w {
@@ -216,7 +265,7 @@ impl NcclGroup {
         for (r, comm) in self.comms.iter().enumerate() {
             // SAFETY: forwarded from the caller.
             let res =
-                unsafe { comm.all_reduce(a, &streams[r], dtype, count, inputs[r], outputs[r]) };
+                unsafe { comm.all_reduce_op(a, &streams[r], op, count, inputs[r], outputs[r]) };
             if first.is_ok() {
                 first = res;
             }
@@ -309,5 +358,25 @@ impl NcclRank {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: forwarded from the caller.
         unsafe { self.comm.all_reduce(a, stream, dtype, count, input, output) }
+    }
+
+    /// [`NcclRank::allreduce_raw`] with any NCCL data type and reduction
+    /// (`op`).
+    ///
+    /// # Safety
+    /// `input`/`output` valid for `count` elements of `op.data_type` on
+    /// this rank's device until the work on `stream` completes.
+    pub(crate) unsafe fn allreduce_op_raw(
+        &self,
+        stream: &CudaStream,
+        op: NcclOp,
+        count: usize,
+        input: u64,
+        output: u64,
+    ) -> Result<()> {
+        let a = api()?;
+        let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: forwarded from the caller.
+        unsafe { self.comm.all_reduce_op(a, stream, op, count, input, output) }
     }
 }
