@@ -26,6 +26,8 @@ struct Gpu {
     stream: Arc<CudaStream>,
 }
 
+#[path = "gpu/comm.rs"]
+mod comm;
 #[path = "gpu/mismatch.rs"]
 mod mismatch;
 
@@ -76,6 +78,7 @@ fn main() {
         ("fault_matrix_killed_rank_processes", fault_matrix),
         #[cfg(feature = "nccl")]
         ("nccl_group_and_routing_world_1", nccl_routed),
+        ("comm_from_devices_eager_graph_unserved", comm::threads),
     ];
     if let Ok(rank) = std::env::var("P2P_IPC_CHILD") {
         std::process::exit(ipc_child(rank.parse().expect("P2P_IPC_CHILD is a rank")));
