@@ -3,13 +3,15 @@
 //! `p2p_allreduce::comm::Comm`, the NCCL-shaped communicator, and the id
 //! shared through a file as mistral.rs shares its NCCL id.
 //!
-//! CI builds this crate three ways (see .ci/run): with no linking feature
+//! CI builds this crate two ways (see .ci/run): with no linking feature
 //! (cudarc's `dynamic-loading`, through p2p-allreduce's
-//! `fallback-dynamic-loading`: the tests run), with `dynamic-linking`
-//! (candle-core's mode) and with `static-linking`. The two linking modes
-//! need libcuda (and, with candle's features, cuBLAS, cuRAND and NVRTC) at
-//! link time, which a machine without the CUDA toolkit lacks: there CI
-//! builds the library and type-checks the tests, and links nothing.
+//! `fallback-dynamic-loading`: the tests run) and with `dynamic-linking`
+//! (candle-core's mode), which needs libcuda (and, with candle's features,
+//! cuBLAS, cuRAND and NVRTC) at link time: without the CUDA toolkit CI
+//! type-checks the library and the tests and links nothing. The
+//! `static-linking` feature is for a machine with the toolkit: cudarc
+//! bundles its static archives (libcudart_static.a, libstdc++.a, ...) into
+//! its rlib, so even `cargo check` needs them.
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use p2p_allreduce::comm::{Comm, Id, ReduceOp};
