@@ -43,6 +43,8 @@ pub use p2p_allreduce_device::ll;
 pub use cudarc;
 
 pub mod call_tag;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod checks;
 mod choice;
 mod collective;
