@@ -1156,6 +1156,12 @@ impl<C: Copy> Gather<C> {
         if let Some(why) = &st.broken {
             return Err(Error::Poisoned(why.clone()));
         }
+        if st.calls[rank].is_some() || st.results[rank].is_some() {
+            return Err(Error::Config(format!(
+                "rank {rank}'s Comm is already in a collective on another thread: make each rank's \
+                 calls from one thread at a time"
+            )));
+        }
         st.calls[rank] = Some(call);
         if st.calls.iter().all(Option::is_some) {
             let calls: Vec<C> = st.calls.iter_mut().filter_map(Option::take).collect();
@@ -1360,6 +1366,15 @@ mod tests {
         assert!(NO_NCCL.contains("feature `nccl` is off"));
     }
 
+    /// Engines move each rank's communicator into its thread and share
+    /// it (mistral.rs keeps an `Arc<Comm>` in its ops).
+    #[test]
+    fn a_communicator_is_send_and_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Comm>();
+        send_sync::<Id>();
+    }
+
     #[test]
     fn a_communicator_of_no_ranks_is_refused_before_any_cuda_call() {
         assert!(matches!(
@@ -1416,6 +1431,30 @@ mod tests {
             assert!(matches!(got[1], Ok(Route::Nccl)));
             assert!(matches!(got[2], Ok(Route::Kernel(_))));
         }
+    }
+
+    #[test]
+    fn a_rank_in_two_calls_at_once_is_refused() {
+        let g = Gather::new(2, Duration::from_secs(10));
+        std::thread::scope(|s| {
+            let first = s.spawn(|| g.join(0, 1u32, |_, me| share(Ok(Route::Nccl), 2, me)));
+            // Wait until rank 0's first call is there, then call again as
+            // rank 0 from this thread.
+            while g.state.lock().unwrap().calls[0].is_none() {
+                std::thread::yield_now();
+            }
+            let again = g.join(0, 2u32, |_, _| panic!("never launched"));
+            assert!(
+                matches!(&again, Err(Error::Config(m)) if m.contains("already in a collective"))
+            );
+            // Rank 1 completes the first call.
+            let one = g.join(1, 1u32, |calls, me| {
+                assert_eq!(calls, &[1, 1]);
+                share(Ok(Route::Nccl), 2, me)
+            });
+            assert!(matches!(one, Ok(Route::Nccl)));
+            assert!(matches!(first.join().unwrap(), Ok(Route::Nccl)));
+        });
     }
 
     #[test]
