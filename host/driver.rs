@@ -69,11 +69,25 @@ pub fn mem_info(ctx: &Arc<CudaContext>) -> Result<(usize, usize)> {
     result::mem_get_info().during("cuMemGetInfo")
 }
 
+/// The names libcuda is opened by (cudarc's `dynamic-loading` tries these
+/// among others; a binary linked to libcuda has `libcuda.so.1` loaded).
+const DRIVER_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so", "nvcuda.dll"];
+
 /// Whether libcuda can be loaded. cudarc panics on first use without it, so
-/// every entry point asks this first.
+/// every entry point asks this first. Asked of the dynamic loader here, not
+/// of cudarc (whose `is_culib_present` exists only under its
+/// `dynamic-loading` mode): under every linking mode an embedding build
+/// may pick (see Cargo.toml), the answer is the same. Cached: the driver
+/// does not come or go while a process runs.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
-    unsafe { sys::is_culib_present() }
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        DRIVER_LIBRARIES.iter().any(|name| {
+            // SAFETY: opening libcuda runs its initialisers only (no CUDA
+            // call is made); the handle is closed again at once.
+            unsafe { libloading::Library::new(*name) }.is_ok()
+        })
+    })
 }
 
 /// Number of CUDA devices, or `Error::NoDriver`.

@@ -325,6 +325,51 @@ pub enum Error {
     #[error("NCCL: {0}")]
     Nccl(String),
 
+    // --- Issue 45: the NCCL-shaped communicator (`crate::comm`).
+    #[error(
+        "comm::Comm cannot run {what} with p2p-allreduce's kernels (they sum f32, f16 and bf16), and {why}: \
+         {fix}"
+    )]
+    CommUnserved {
+        /// The call, e.g. "ReduceOp::Max over f32" or "ReduceOp::Sum over f64".
+        what: String,
+        /// Why NCCL does not take it instead.
+        why: String,
+        /// What to do.
+        fix: &'static str,
+    },
+
+    #[error(
+        "this 128-byte id is not a comm::Id made by p2p-allreduce ({reason}): make it with comm::Id::new() on \
+         one rank and pass its internal() bytes unchanged to every rank (an NCCL ncclUniqueId is not one)"
+    )]
+    CommId { reason: String },
+
+    #[error(
+        "rank {rank} waited {waited:?} for rank(s) {missing:?} to make the same call on their comm::Comm: every \
+         rank's thread must make the same calls in the same order. This communicator is now unusable: create \
+         it again (Comm::from_devices) on every rank"
+    )]
+    CommTimeout {
+        rank: usize,
+        missing: Vec<usize>,
+        waited: std::time::Duration,
+    },
+
+    #[error(
+        "rank {rank}'s thread made {mine} but rank {other}'s made {theirs} as the same collective: every rank must \
+         make the same calls (kind, dtype, count, shape, op) in the same order"
+    )]
+    CommCallMismatch {
+        rank: usize,
+        other: usize,
+        mine: String,
+        theirs: String,
+    },
+
+    #[error("rank {rank} enqueued this collective for every rank of the communicator, and it failed: {reason}")]
+    CommGroupCallFailed { rank: usize, reason: String },
+
     #[error("invalid configuration: {0}")]
     Config(String),
 

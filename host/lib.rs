@@ -7,7 +7,10 @@
 //!   [`abi`] the `#[repr(C)]` structs they take;
 //! - through the **host API**: [`VirtualGroup`] (N ranks on one GPU),
 //!   [`PeerGroup`] (one process, one context per rank), [`ProcessGroup`]
-//!   (one process per rank over CUDA IPC, set up through an [`Exchange`]).
+//!   (one process per rank over CUDA IPC, set up through an [`Exchange`]);
+//! - through [`comm::Comm`], shaped like `cudarc::nccl::Comm` (one `use`
+//!   line to change in an engine written against cudarc's NCCL), with the
+//!   fused allreduce + residual add + RMSNorm beside it.
 //!
 //! ```no_run
 //! use p2p_allreduce::{driver, AlgoChoice, Config, VirtualGroup};
@@ -40,9 +43,12 @@ pub use p2p_allreduce_device::ll;
 pub use cudarc;
 
 pub mod call_tag;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod checks;
 mod choice;
 mod collective;
+pub mod comm;
 pub mod config;
 pub mod driver;
 pub mod element;

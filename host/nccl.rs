@@ -97,6 +97,14 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 
 const NCCL_SUM: c_int = 0;
 
+/// What one `ncclAllReduce` reduces: an `ncclDataType_t` and an
+/// `ncclRedOp_t` (codes of nccl.h).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NcclOp {
+    pub data_type: c_int,
+    pub op: c_int,
+}
+
 fn nccl_dtype(d: Dtype) -> c_int {
     match d {
         Dtype::F16 => 6,  // ncclFloat16

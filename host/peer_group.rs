@@ -8,7 +8,7 @@ use crate::collective::{settle, Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, Kernels};
 use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
-use crate::fused::{NormBuffers, NormInputs};
+use crate::fused::{norm_shape, NormBuffers, NormInputs, NormPtrs};
 use crate::launch::{Faults, Ranks};
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
@@ -402,6 +402,71 @@ impl PeerGroup {
         );
         // SAFETY: forwarded from the caller.
         unsafe { self.core.staged(&s, dtype, count, &i, &o, algo) }
+    }
+
+    /// [`PeerGroup::allreduce_add_rmsnorm`] on raw device pointers:
+    /// `ptrs[r]` is rank r's `[input, residual, gamma, normed]` on its
+    /// device, every rank's call of `rows x hidden` elements of `dtype`.
+    /// Staged, so `normed` may be the input (in place).
+    ///
+    /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
+    /// (no wait) and [`Self::check`] report them, and the next call refuses
+    /// to run until `reset`.
+    ///
+    /// # Safety
+    /// For every rank r: `input` valid for reads, `residual` for reads and
+    /// writes, `normed` for writes of `rows * hidden` elements of `dtype`,
+    /// `gamma` for reads of `hidden`, on rank r's device until the work on
+    /// `streams[r]` completes; `normed` must not overlap `residual` or
+    /// `gamma`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn allreduce_add_rmsnorm_raw(
+        &self,
+        streams: &[Arc<CudaStream>],
+        dtype: Dtype,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+        ptrs: &[[u64; 4]],
+        algo: AlgoChoice,
+    ) -> Result<Algorithm> {
+        check_count("streams", streams.len(), self.world())?;
+        check_count("pointer sets", ptrs.len(), self.world())?;
+        // The shape rules of the typed call (whole rows, eps), on lengths.
+        let n = rows
+            .checked_mul(hidden)
+            .ok_or_else(|| Error::NormShape(format!("{rows} rows x {hidden} elements overflow")))?;
+        let w = self.world();
+        let (rows, hidden) = norm_shape(
+            dtype,
+            std::iter::repeat_n(n, w),
+            std::iter::repeat_n(n, w),
+            std::iter::repeat_n(hidden, w),
+            std::iter::repeat_n(n, w),
+            eps,
+        )?;
+        let col = |i: usize| by_rank(ptrs.iter().map(|p| p[i]));
+        let p = NormPtrs {
+            inputs: col(0),
+            residual: col(1),
+            residual_out: col(1),
+            gamma: col(2),
+            normed: col(3),
+        };
+        let refs: Vec<&Arc<CudaStream>> = streams.iter().collect();
+        // SAFETY: forwarded from the caller; the inputs are staged.
+        unsafe {
+            self.core.add_rmsnorm(
+                &refs,
+                dtype,
+                rows,
+                hidden,
+                eps,
+                &p,
+                NormInputs::Staged,
+                algo,
+            )
+        }
     }
 
     /// Allocates registered (zero-copy) input buffers of `len` elements per

@@ -26,6 +26,8 @@ struct Gpu {
     stream: Arc<CudaStream>,
 }
 
+#[path = "gpu/comm.rs"]
+mod comm;
 #[path = "gpu/mismatch.rs"]
 mod mismatch;
 #[path = "gpu/shared_host.rs"]
@@ -91,6 +93,7 @@ fn main() {
             "nccl_table_bands_route_auto_and_symmetric_windows",
             nccl_table_routing,
         ),
+        ("comm_from_devices_eager_graph_unserved", comm::threads),
     ];
     if let Ok(rank) = std::env::var("P2P_IPC_CHILD") {
         std::process::exit(ipc_child(rank.parse().expect("P2P_IPC_CHILD is a rank")));

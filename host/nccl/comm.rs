@@ -2,8 +2,8 @@
 //! process's rank of several ([`NcclRank`]).
 
 use super::{
-    api, check, nccl_dtype, symmetric_api, unique_id, Api, RawComm, RawWindow, SymmetricApi,
-    UniqueId, NCCL_SUM, NCCL_WIN_COLL_SYMMETRIC, UNIQUE_ID_BYTES,
+    api, check, nccl_dtype, symmetric_api, unique_id, Api, NcclOp, RawComm, RawWindow,
+    SymmetricApi, UniqueId, NCCL_SUM, NCCL_WIN_COLL_SYMMETRIC, UNIQUE_ID_BYTES,
 };
 use crate::abi::Dtype;
 use crate::element::DeviceElement;
@@ -48,6 +48,30 @@ impl Comm {
         input: u64,
         output: u64,
     ) -> Result<()> {
+        let op = NcclOp {
+            data_type: nccl_dtype(dtype),
+            op: NCCL_SUM,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.all_reduce_op(a, stream, op, count, input, output) }
+    }
+
+    /// Enqueues `ncclAllReduce` of `count` elements with `op`'s type and
+    /// reduction on `stream`.
+    ///
+    /// # Safety
+    /// `input` and `output` must be valid for `count` elements of
+    /// `op.data_type` on this communicator's device until the work on
+    /// `stream` completes.
+    unsafe fn all_reduce_op(
+        &self,
+        a: &Api,
+        stream: &CudaStream,
+        op: NcclOp,
+        count: usize,
+        input: u64,
+        output: u64,
+    ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::Nccl(format!("cuCtxSetCurrent: {e}")))?;
@@ -57,8 +81,8 @@ impl Comm {
                 input as *const c_void,
                 output as *mut c_void,
                 count,
-                nccl_dtype(dtype),
-                NCCL_SUM,
+                op.data_type,
+                op.op,
                 self.raw,
                 stream.cu_stream() as *mut c_void,
             )
@@ -73,6 +97,14 @@ struct WindowBuf {
     ptr: *mut c_void,
     win: RawWindow,
 }
+
+// SAFETY: the pointer and the window handle are plain addresses of device
+// memory and of NCCL's registration, usable from any thread; they are only
+// freed and deregistered in `Windows`' drop, with the owning communicator's
+// context bound, and the owners serialise every use of them as for `Comm`.
+unsafe impl Send for WindowBuf {}
+// SAFETY: as above: shared references only read the addresses.
+unsafe impl Sync for WindowBuf {}
 
 /// Input and output buffers of every rank of this process, in NCCL's
 /// symmetric windows: `ncclAllReduce` on them may run NCCL's symmetric
@@ -401,6 +433,29 @@ impl NcclGroup {
         inputs: &[u64],
         outputs: &[u64],
     ) -> Result<()> {
+        let op = NcclOp {
+            data_type: nccl_dtype(dtype),
+            op: NCCL_SUM,
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.allreduce_op_raw(streams, op, count, inputs, outputs) }
+    }
+
+    /// [`NcclGroup::allreduce_raw`] with any NCCL data type and reduction
+    /// (`op`).
+    ///
+    /// # Safety
+    /// `inputs[r]`/`outputs[r]` valid for `count` elements of
+    /// `op.data_type` on rank r's device until the work on `streams[r]`
+    /// completes.
+    pub(crate) unsafe fn allreduce_op_raw(
+        &self,
+        streams: &[Arc<CudaStream>],
+        op: NcclOp,
+        count: usize,
+        inputs: &[u64],
+        outputs: &[u64],
+    ) -> Result<()> {
         let a = api()?;
         let w = self.world();
         if streams.len() != w || inputs.len() != w || outputs.len() != w {
@@ -417,7 +472,7 @@ impl NcclGroup {
         for (r, comm) in self.comms.iter().enumerate() {
             // SAFETY: forwarded from the caller.
             let res =
-                unsafe { comm.all_reduce(a, &streams[r], dtype, count, inputs[r], outputs[r]) };
+                unsafe { comm.all_reduce_op(a, &streams[r], op, count, inputs[r], outputs[r]) };
             if first.is_ok() {
                 first = res;
             }
@@ -540,5 +595,25 @@ impl NcclRank {
         let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: forwarded from the caller.
         unsafe { self.comm.all_reduce(a, stream, dtype, count, input, output) }
+    }
+
+    /// [`NcclRank::allreduce_raw`] with any NCCL data type and reduction
+    /// (`op`).
+    ///
+    /// # Safety
+    /// `input`/`output` valid for `count` elements of `op.data_type` on
+    /// this rank's device until the work on `stream` completes.
+    pub(crate) unsafe fn allreduce_op_raw(
+        &self,
+        stream: &CudaStream,
+        op: NcclOp,
+        count: usize,
+        input: u64,
+        output: u64,
+    ) -> Result<()> {
+        let a = api()?;
+        let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: forwarded from the caller.
+        unsafe { self.comm.all_reduce_op(a, stream, op, count, input, output) }
     }
 }
