@@ -289,13 +289,14 @@ mod tests {
     fn zone_errors_name_real_config_fields() {
         let c = Config::default();
         for algo in Algorithm::ALL {
+            let field = zone_setting(algo);
             let e = crate::Error::ZoneTooSmall {
                 algorithm: algo,
                 bytes: 1 << 30,
                 capacity: 1 << 20,
+                setting: field,
             }
             .to_string();
-            let field = zone_setting(algo);
             assert!(e.contains(&format!("Config::{field} ")), "{algo:?}: {e}");
             // The field is real: the same value `zone_capacity` reads.
             let value = match field {

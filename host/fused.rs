@@ -137,6 +137,7 @@ impl NormPlan {
                     algorithm,
                     bytes: total,
                     capacity: ll_zone,
+                    setting: crate::config::zone_setting(algorithm),
                 });
             }
             rows.max(1)

@@ -148,7 +148,7 @@ impl ProcessGroup {
         let thresholds = agree_setup(
             exchange,
             "Auto's table",
-            thresholds::resolve(&config.thresholds, ctx, rv.link, world),
+            crate::machine::resolve_thresholds(&config.thresholds, ctx, rv.link, world),
         )?;
         agree_on_thresholds(exchange, &thresholds, rv.link, world)?;
         let config = Config {
