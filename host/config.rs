@@ -84,7 +84,7 @@ pub struct Config {
     /// per row. An explicit value holds for every call: a cluster takes its
     /// rows one after another, so at many rows a large cluster keeps fewer
     /// rows in flight and can be several times slower than whole rows
-    /// (docs/design.md, "Splitting a fused row over a cluster"), where `None` would not split.
+    /// (docs/design/fused.md, "Splitting a fused row over a cluster"), where `None` would not split.
     pub fused_ctas: Option<u32>,
     /// Which image of the embedded kernels the group loads: `Auto` (the
     /// default) the build's cubin for the device where there is one, so
