@@ -85,7 +85,7 @@ pub struct Config {
     /// per row. An explicit value holds for every call: a cluster takes its
     /// rows one after another, so at many rows a large cluster keeps fewer
     /// rows in flight and can be several times slower than whole rows
-    /// (docs/design.md, "Splitting a fused row over a cluster"), where `None` would not split.
+    /// (docs/design/fused.md, "Splitting a fused row over a cluster"), where `None` would not split.
     pub fused_ctas: Option<u32>,
     /// Which image of the embedded kernels the group loads: `Auto` (the
     /// default) the build's cubin for the device where there is one, so
@@ -304,13 +304,14 @@ mod tests {
     fn zone_errors_name_real_config_fields() {
         let c = Config::default();
         for algo in Algorithm::ALL {
+            let field = zone_setting(algo);
             let e = crate::Error::ZoneTooSmall {
                 algorithm: algo,
                 bytes: 1 << 30,
                 capacity: 1 << 20,
+                setting: field,
             }
             .to_string();
-            let field = zone_setting(algo);
             assert!(e.contains(&format!("Config::{field} ")), "{algo:?}: {e}");
             // The field is real: the same value `zone_capacity` reads.
             let value = match field {

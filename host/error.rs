@@ -168,14 +168,17 @@ pub enum Error {
 
     #[error(
         "a {} allreduce of {bytes} bytes over zero-copy inputs does not fit its landing zone ({capacity} \
-         bytes of message): use AlgoChoice::Auto, or OneStage (same bits), or a group with Config::{} \
+         bytes of message): use AlgoChoice::Auto, or OneStage (same bits), or a group with Config::{setting} \
          >= {bytes}",
-        algorithm.name(), crate::config::zone_setting(*algorithm)
+        algorithm.name()
     )]
     ZoneTooSmall {
         algorithm: crate::abi::Algorithm,
         bytes: usize,
         capacity: usize,
+        /// The `Config` field that sizes this landing zone
+        /// ([`crate::config::zone_setting`]).
+        setting: &'static str,
     },
 
     #[error("fused allreduce + RMSNorm: {0}")]

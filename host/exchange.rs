@@ -522,6 +522,40 @@ impl DirExchange {
 /// Writes `payload` as rank `rank`'s record of round `round` in `dir`,
 /// as written by process `pid` (start time `start`, 0: unknown): for tests
 /// of stale and foreign records.
+
+/// One exchange round after a step that may fail on this rank alone:
+/// returns this rank's own error, else `PeerSetupFailed` naming the first
+/// rank whose step failed, else the step's value.
+pub(crate) fn agree_setup<T>(
+    exchange: &dyn Exchange,
+    step: &'static str,
+    local: Result<T>,
+) -> Result<T> {
+    const OK: &[u8] = b"setup ok";
+    const FAILED: &[u8] = b"setup failed: ";
+    let mine = match &local {
+        Ok(_) => OK.to_vec(),
+        Err(e) => [FAILED, e.to_string().as_bytes()].concat(),
+    };
+    let all = exchange.all_gather(&mine)?;
+    let value = local?;
+    for (peer, said) in all.iter().enumerate() {
+        if said.as_slice() != OK {
+            let reason = match said.strip_prefix(FAILED) {
+                Some(r) => String::from_utf8_lossy(r).into_owned(),
+                None => format!("it sent {} bytes that are not a setup status", said.len()),
+            };
+            return Err(Error::PeerSetupFailed {
+                rank: exchange.rank(),
+                peer,
+                step,
+                reason,
+            });
+        }
+    }
+    Ok(value)
+}
+
 #[cfg(test)]
 pub(crate) fn forge_dir_record(
     dir: &Path,

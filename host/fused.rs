@@ -137,6 +137,7 @@ impl NormPlan {
                     algorithm,
                     bytes: total,
                     capacity: ll_zone,
+                    setting: crate::config::zone_setting(algorithm),
                 });
             }
             rows.max(1)
@@ -217,7 +218,7 @@ pub const AUTO_MIN_CTA_CHUNKS: usize = 32;
 
 /// Threads of a whole-row block at and below which `Auto` keeps the rows
 /// of a world of 2 whole: there the split cost more than it saved
-/// (docs/design.md, "Splitting a fused row over a cluster").
+/// (docs/design/fused.md, "Splitting a fused row over a cluster").
 pub const AUTO_WHOLE_ROW_THREADS_W2: usize = 256;
 
 /// CTAs of the cluster that splits each fused push_ll row of `chunks`

@@ -579,6 +579,23 @@ const BUFFER_NAMES: [&str; 3] = [
     "signal and landing zones",
 ];
 
+/// What [`crate::ProcessGroup::new_forged`] makes this rank publish, as a broken
+/// or hostile peer would: for tests of the peers' checks (issue 48). The
+/// default forges nothing.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgery {
+    /// This rank's staging allocation holds this many bytes, not
+    /// `Config::max_bytes` (its record still says `max_bytes`).
+    pub staging_bytes: Option<usize>,
+    /// Added to the offset every zero-copy record of this rank claims
+    /// (registered and captured buffers).
+    pub record_offset: u64,
+    /// Added to the length every registered-buffer record of this rank
+    /// claims.
+    pub record_bytes: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,6 +57,7 @@ pub mod exchange;
 pub mod fused;
 pub mod ipc;
 mod launch;
+mod machine;
 #[cfg(feature = "testkit")]
 pub mod measure;
 #[cfg(feature = "nccl")]

@@ -10,9 +10,9 @@ use crate::element::{DeviceElement, RoutedElement};
 use crate::error::{Error, Result};
 use crate::fused::{norm_shape, NormBuffers, NormInputs, NormPtrs};
 use crate::launch::{Faults, Ranks};
+use crate::machine;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
-use crate::thresholds;
 use crate::thresholds::{Backend, Mode};
 use crate::topology;
 use crate::virtual_group::table_of;
@@ -94,7 +94,7 @@ impl PeerGroup {
             }
         }
         let config = Config {
-            thresholds: thresholds::resolve(&config.thresholds, &contexts[0], link, world)?,
+            thresholds: machine::resolve_thresholds(&config.thresholds, &contexts[0], link, world)?,
             ..config
         };
         let mut kernels = Vec::with_capacity(world);

@@ -31,9 +31,8 @@ use crate::abi::{RankTable, MAX_RANKS};
 use crate::checks::check_aligned;
 use crate::driver::{self, DeviceAlloc, IpcMapping};
 use crate::error::{Error, Result};
-use crate::exchange::Exchange;
-use crate::ipc::{check_mapped, HANDLE};
-use crate::process_group::{agree_setup, Forgery};
+use crate::exchange::{agree_setup, Exchange};
+use crate::ipc::{check_mapped, Forgery, HANDLE};
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 

@@ -4,6 +4,7 @@
 //! from the same arguments, as the barriers need.
 
 use crate::abi::{island_split, Algorithm, Dtype, PACK_BYTES};
+use crate::config::zone_setting;
 pub use crate::config::{AlgoChoice, Config, Link, Thresholds};
 use crate::error::{Error, Result};
 use crate::ptx::Entry;
@@ -110,6 +111,7 @@ impl Plan {
                             algorithm,
                             bytes,
                             capacity,
+                            setting: zone_setting(algorithm),
                         });
                     }
                 }
@@ -301,8 +303,9 @@ mod tests {
                 Err(Error::ZoneTooSmall {
                     algorithm,
                     bytes: 1200,
-                    capacity: 1024
-                }) if algorithm == algo
+                    capacity: 1024,
+                    setting,
+                }) if algorithm == algo && setting == zone_setting(algo)
             ));
             let p =
                 Plan::new(&c, request(300, Inputs::Staged, AlgoChoice::from(algo))).expect("plan");

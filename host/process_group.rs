@@ -8,7 +8,7 @@ use crate::collective::{settle, Collective, Member, RankBuffers};
 use crate::driver::{self, DeviceAlloc, IpcMapping, Kernels};
 use crate::element::DeviceElement;
 use crate::error::{Error, Result};
-use crate::exchange::Exchange;
+use crate::exchange::{agree_setup, Exchange};
 use crate::fused::{norm_shape, NormInputs, NormPtrs};
 use crate::ipc;
 use crate::launch::{Faults, Ranks};
@@ -67,60 +67,12 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
-/// What [`ProcessGroup::new_forged`] makes this rank publish, as a broken
-/// or hostile peer would: for tests of the peers' checks (issue 48). The
-/// default forges nothing.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Forgery {
-    /// This rank's staging allocation holds this many bytes, not
-    /// `Config::max_bytes` (its record still says `max_bytes`).
-    pub staging_bytes: Option<usize>,
-    /// Added to the offset every zero-copy record of this rank claims
-    /// (registered and captured buffers).
-    pub record_offset: u64,
-    /// Added to the length every registered-buffer record of this rank
-    /// claims.
-    pub record_bytes: u64,
-}
+pub use crate::ipc::Forgery;
 
 /// Every rank must pick the same algorithm for the same call, so every
 /// rank must use the same `Auto` table (a thresholds file present on one
 /// machine only, or a different `P2P_ALLREDUCE_THRESHOLDS`, would break
 /// that).
-/// One exchange round after a step that may fail on this rank alone:
-/// returns this rank's own error, else `PeerSetupFailed` naming the first
-/// rank whose step failed, else the step's value.
-pub(crate) fn agree_setup<T>(
-    exchange: &dyn Exchange,
-    step: &'static str,
-    local: Result<T>,
-) -> Result<T> {
-    const OK: &[u8] = b"setup ok";
-    const FAILED: &[u8] = b"setup failed: ";
-    let mine = match &local {
-        Ok(_) => OK.to_vec(),
-        Err(e) => [FAILED, e.to_string().as_bytes()].concat(),
-    };
-    let all = exchange.all_gather(&mine)?;
-    let value = local?;
-    for (peer, said) in all.iter().enumerate() {
-        if said.as_slice() != OK {
-            let reason = match said.strip_prefix(FAILED) {
-                Some(r) => String::from_utf8_lossy(r).into_owned(),
-                None => format!("it sent {} bytes that are not a setup status", said.len()),
-            };
-            return Err(Error::PeerSetupFailed {
-                rank: exchange.rank(),
-                peer,
-                step,
-                reason,
-            });
-        }
-    }
-    Ok(value)
-}
-
 fn agree_on_thresholds(
     exchange: &dyn Exchange,
     thresholds: &Thresholds,
@@ -205,7 +157,7 @@ impl ProcessGroup {
         // settings need) can fail on one rank alone: the round after it
         // says so to every rank.
         let local = ipc::open_peers(ctx, &config, &own, &records).and_then(|rv| {
-            let t = thresholds::resolve(&config.thresholds, ctx, rv.link, world)?;
+            let t = crate::machine::resolve_thresholds(&config.thresholds, ctx, rv.link, world)?;
             Ok((rv, t))
         });
         let (rv, thresholds) = agree_setup(exchange, "the peers' buffers and Auto's table", local)?;

@@ -812,22 +812,6 @@ pub fn read_file(path: &Path, required: bool) -> Result<Option<ThresholdsFile>, 
     }
 }
 
-/// The table a group of `world` ranks over `link` on `ctx`'s device uses:
-/// `thresholds` itself if the caller set it, else [`for_machine`].
-pub(crate) fn resolve(
-    thresholds: &Thresholds,
-    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
-    link: Link,
-    world: usize,
-) -> crate::Result<Thresholds> {
-    if thresholds.origin != Origin::BuiltIn {
-        return Ok(thresholds.clone());
-    }
-    let gpu = crate::driver::device_info(ctx)?.name;
-    let gpus = crate::driver::device_count()?;
-    for_machine(&gpu, gpus, link, world)
-}
-
 /// The table `Auto` uses by default for `world` ranks over `link` on a
 /// machine of `gpus` GPUs named `gpu`: the thresholds file's entry for it
 /// if there is one, else the built-in table. A file that exists but cannot

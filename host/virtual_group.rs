@@ -10,9 +10,9 @@ use crate::element::DeviceElement;
 use crate::error::{Context as _, Error, Result};
 use crate::fused::{NormBuffers, NormInputs};
 use crate::launch::{Faults, Ranks};
+use crate::machine;
 use crate::plan::{AlgoChoice, Config, Link};
 use crate::registered::RegisteredBuffers;
-use crate::thresholds;
 use crate::thresholds::{Backend, Mode};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use std::marker::PhantomData;
@@ -58,7 +58,12 @@ impl VirtualGroup {
         check_world(world)?;
         config.validate().map_err(Error::Config)?;
         let config = Config {
-            thresholds: thresholds::resolve(&config.thresholds, ctx, Link::SameDevice, world)?,
+            thresholds: machine::resolve_thresholds(
+                &config.thresholds,
+                ctx,
+                Link::SameDevice,
+                world,
+            )?,
             ..config
         };
         let kernels = Kernels::for_context(ctx, config.kernel_image)?;

@@ -87,7 +87,7 @@ def add_rmsnorm_ref(total, residual, weight, eps, hidden):
 def takes_push_ll(dtype, hidden, threads=512):
     """Whether the fused push_ll kernel takes rows of `hidden` (its register
     path: whole 8-element chunks, two per thread for 16-bit types, one for
-    f32); other rows are refused with UsageError (docs/design.md)."""
+    f32); other rows are refused with UsageError (docs/design/fused.md)."""
     return hidden % 8 == 0 and hidden // 8 <= (1 if dtype == torch.float32 else 2) * threads
 
 
