@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Issue 43's device runs (one GPU), from the repo root on the GPU machine,
+# The device runs of issues 43, 45 and 48 (one GPU), from the repo root on
+# the GPU machine,
 # with release binaries built by `scripts/gpu-check.sh build` in .carry/bin
 # and the binary of the commit to compare against as
 # .carry/bin/p2p-allreduce-base. Logs go to $OUT (default ./gpu-logs).
 #
-#   scripts/issue43-device.sh suite   # GPU suite, then base/new benches alternated
-#   scripts/issue43-device.sh sanitize   # compute-sanitizer over the changed kernels
-#   scripts/issue43-device.sh sanitize2  # the same over the two-process engine shapes, the fused op
-#   scripts/issue43-device.sh python  # the torch package's GPU tests (carried wheel)
+#   scripts/device-runs.sh suite   # GPU suite, then base/new benches alternated
+#   scripts/device-runs.sh sanitize   # compute-sanitizer over the changed kernels
+#   scripts/device-runs.sh sanitize2  # the same over the two-process engine shapes, the fused op
+#   scripts/device-runs.sh python  # the torch package's GPU tests (carried wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -26,6 +27,9 @@ suite)
   nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
   step gpu-suite 330 "$B/test-gpu"
   grep -E "^test |^gpu:" "$OUT/gpu-suite.log"
+  # Issue 45's examples: two ranks on GPU 0, bit for bit against the CPU.
+  step tp-mlp-threads 120 "$B/tp_mlp_threads" --world 2 --gpu 0
+  step tp-mlp-processes 120 "$B/tp_mlp_processes" --world 2 --gpu 0
   # Cost: base and new alternated, virtual ranks, 4 KiB and 64 KiB.
   for i in 1 2 3; do
     for v in base new; do
@@ -55,6 +59,7 @@ sanitize2)
     san engine-shapes "$tool" "$B/test-gpu" ranks_that_disagree_at_engine
   done
   san fused memcheck "$B/test-gpu" fused_add_rmsnorm_bit_exact
+  san shared-host memcheck "$B/test-gpu" shared_host
   ;;
 python)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/p2p-site .carry/whl/*.whl || exit 1
