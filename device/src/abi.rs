@@ -305,7 +305,7 @@ pub const fn tag_of(a: &LaunchArgs, rank: u32) -> u32 {
 /// The flag word rank `rank` of a launch stores and awaits at `epoch`:
 /// the epoch in the low half, the call tag in the high half. For one
 /// call, equality on it is equality on the epoch (every guarantee of the
-/// plain epoch holds, docs/design.md "Call tags"); a word of another call
+/// plain epoch holds, docs/design/call-tags.md); a word of another call
 /// differs in the high half at every epoch, however old it is.
 #[inline(always)]
 pub const fn flag_word(epoch: u32, a: &LaunchArgs, rank: u32) -> u64 {

@@ -4,7 +4,7 @@
 //!
 //! Which barriers each algorithm runs ([`barriers`]) and with which memory
 //! order ([`order`]) is decided here too, once: the kernels and the loom
-//! model (tests/loom_barrier.rs) both read that table.
+//! model (tests/loom_barrier/) both read that table.
 //!
 //! Protocol for barrier kind K, block b, between rank r and peer p:
 //! 1. [`arrive_ordered`]: r stores the collective's epoch into p's signal at
@@ -16,8 +16,8 @@
 //!
 //! Only plain stores and loads touch peer memory: PCIe peer-to-peer has no
 //! read-modify-write atomics. The hardware and stream-order facts the
-//! relaxed barriers rely on are in docs/design.md; tests/loom_barrier.rs
-//! models them.
+//! relaxed barriers rely on are in docs/design/algorithms.md ("Barriers");
+//! tests/loom_barrier/ models them.
 //!
 //! Waits accept the awaited epoch or the next one ([`reached`]). For the
 //! pull algorithms only the awaited one comes: a peer writes the next
@@ -35,7 +35,7 @@
 //! word is the epoch with the writer's 32-bit call tag in its high half
 //! (`abi::flag_word`), so a wait never takes a word of another call for an
 //! arrival. `reached` still accepts the next epoch: the protocol is sound
-//! with one flag per barrier too, which is what `tests/loom_barrier.rs`
+//! with one flag per barrier too, which is what `tests/loom_barrier/`
 //! models.
 
 use crate::abi::{Algorithm, BarrierKind};

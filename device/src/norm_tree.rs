@@ -2,7 +2,7 @@
 //! RMSNorm (docs/numerics.md), and the pieces of how the kernels spread it
 //! over a block: pure functions, used by the kernels
 //! (`kernels/norm/tree.rs`: `warp_tree`, `tree_sum`) and by the host's CPU model
-//! of that decomposition (`tests/cpu_properties.rs`).
+//! of that decomposition (`tests/cpu_properties/norm.rs`).
 //!
 //! The tree: at stride s = 1, 2, 4, ..., partial k (a multiple of 2s) adds
 //! partial k + s when k + s < n; the sum is partial 0's. Its order depends

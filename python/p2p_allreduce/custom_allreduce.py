@@ -235,7 +235,7 @@ class CustomAllreduce:
         into ``out`` (same dtype, shape and device). Returns the result.
         Every rank must call it with the same dtype and element count:
         ranks that do not get ``GroupError`` from ``check()`` (the kernels'
-        call tags, docs/design.md)."""
+        call tags, docs/design/call-tags.md)."""
         g = self._group()
         dt = self._kind(tensor, "tensor")
         if out is not None:
