@@ -2,7 +2,7 @@
 //! (`Comm::from_devices`, pegainfer's) eager, captured in CUDA graphs by
 //! each rank's thread, and a call the kernels do not serve.
 
-use super::{all_gpus, assert_ranks, download_on, poisoned_on, upload_on, Gpu};
+use crate::harness::{all_gpus, assert_ranks, download_on, poisoned_on, upload_on, Gpu};
 use cudarc::driver::sys;
 use half::bf16;
 use p2p_allreduce::comm::{Comm, ReduceOp};

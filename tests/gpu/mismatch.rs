@@ -5,7 +5,8 @@
 //! calls' tags, never wrong bits and never a plain `PeerTimeout`. Then the
 //! group is poisoned until `reset()`, after which it is exact again.
 
-use super::*;
+use crate::harness::*;
+use crate::processes::{ipc_allreduce, ipc_config};
 use p2p_allreduce::call_tag::{CallDesc, TaggedCall};
 
 /// The groups' peer timeout here (a mismatch is found at the timeout).

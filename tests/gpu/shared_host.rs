@@ -11,7 +11,9 @@
 //! record would say. Rank 0 finds it (`PeerBufferTooSmall`), rank 1 hears
 //! of it in the round after the mapping (`PeerSetupFailed`).
 
-use super::*;
+use crate::faults::fault_rounds;
+use crate::harness::*;
+use crate::processes::ipc_allreduce;
 use p2p_allreduce::process_group::Forgery;
 
 /// Large enough that an allocation of a fraction of it stays short of it
