@@ -491,11 +491,11 @@ impl ProcessGroup {
     /// every rank passes the same dtype, element count and algorithm choice.
     /// A mismatch is `Error::RankMismatch` on every rank, before any kernel
     /// runs. Without the check, calls that differ are caught by the
-    /// kernels' call tags at the peer timeout (`Error::CallMismatch` from
-    /// `check()`, naming tags rather than whole calls; a disagreement the
-    /// 8-bit tag misses, one in 256 outside a count off by 1..255, dtype
-    /// and algorithm, is not caught). Costs one host round trip per call:
-    /// for debugging and for first calls.
+    /// kernels' 32-bit call tags at the peer timeout (`Error::CallMismatch`
+    /// from `check()` on every rank, naming tags rather than whole calls;
+    /// only pairs of the closed-form rule of `call_tag`, e.g. counts that
+    /// differ by a multiple of 67,108,859, share a tag). Costs one host
+    /// round trip per call: for debugging and for first calls.
     ///
     /// Kernel errors (a peer that never arrives) show later: [`Self::poll`]
     /// (no wait) and [`Self::check`] report them, and the next call refuses
