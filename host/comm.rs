@@ -494,17 +494,7 @@ impl Comm {
             one(normed),
             eps,
         )
-        .map_err(|e| match e {
-            Error::BufferTooSmall {
-                what, len, need, ..
-            } => Error::BufferTooSmall {
-                what,
-                rank: self.rank,
-                len,
-                need,
-            },
-            e => e,
-        })
+        .map_err(|e| e.at_rank(self.rank))
     }
 
     /// The engine of a call, or the error of a call nobody here serves.

@@ -383,6 +383,25 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The error with the rank of a `BufferTooSmall` set to `rank`: the
+    /// checks of one rank's buffers count from 0, the caller knows which
+    /// rank of the group they were.
+    pub(crate) fn at_rank(self, rank: usize) -> Error {
+        match self {
+            Error::BufferTooSmall {
+                what, len, need, ..
+            } => Error::BufferTooSmall {
+                what,
+                rank,
+                len,
+                need,
+            },
+            e => e,
+        }
+    }
+}
+
 /// Attaches what we were doing to a driver error.
 pub trait Context<T> {
     fn during(self, what: &'static str) -> Result<T>;

@@ -248,17 +248,7 @@ impl ProcessGroup {
             std::iter::once(input.len()),
             std::iter::once(output.len()),
         )
-        .map_err(|e| match e {
-            Error::BufferTooSmall {
-                what, len, need, ..
-            } => Error::BufferTooSmall {
-                what,
-                rank: self.rank,
-                len,
-                need,
-            },
-            e => e,
-        })?;
+        .map_err(|e| e.at_rank(self.rank))?;
         let (inp, gi) = input.device_ptr(stream);
         let (out, go) = output.device_ptr_mut(stream);
         // SAFETY: both are live, hold >= count elements and are guarded
