@@ -423,13 +423,33 @@ def mismatch_case(c, ca):
 
     other_rank = 1 - c.rank
 
+    kept = []
+
+    def in_graph(call):
+        """``call`` captured (staged) in a CUDA graph, then replayed once;
+        the graph is kept until the check has waited for it."""
+
+        def run():
+            g = torch.cuda.CUDAGraph()
+            with ca.capture(zero_copy=False):
+                with torch.cuda.graph(g):
+                    call()
+            g.replay()
+            # The replay runs on the current stream, not the capture's.
+            torch.cuda.synchronize(c.dev)
+            kept.append(g)
+
+        return run
+
     def engine_shapes():
         n = 0
         for name, count, dtype in shapes:
             for algo in algorithms:
                 x = c.x(count(c.rank), dtype, 21)
                 expect_group_error(f"{name} {algo}", lambda: ca.allreduce(x, algorithm=algo))
-                n += 1
+                expect_group_error(f"{name} {algo} (graph)", in_graph(lambda: ca.allreduce(x, algorithm=algo)))
+                kept.clear()
+                n += 2
         for algo in ["one_stage", "two_stage", "push_ll"]:
             rows = 3 + c.rank
             x = c.x(rows * 7168, torch.bfloat16, 22).view(rows, 7168)
