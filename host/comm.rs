@@ -379,7 +379,7 @@ impl Comm {
                 need: count,
             });
         }
-        let engine = self.engine::<T>(*op)?;
+        let engine = self.engine::<T>(*op, count)?;
         let (i, gi) = send.device_ptr(&self.stream);
         let (o, go) = recv.device_ptr_mut(&self.stream);
         // SAFETY: both come from live slices or views (distinct borrows, so
@@ -398,7 +398,7 @@ impl Comm {
         T: CommElement,
     {
         let count = buf.len();
-        let engine = self.engine::<T>(*op)?;
+        let engine = self.engine::<T>(*op, count)?;
         let (p, g) = buf.device_ptr_mut(&self.stream);
         // SAFETY: a live buffer of `count` elements on this rank's stream,
         // guarded until enqueued; the kernels stage their input and NCCL
@@ -497,9 +497,27 @@ impl Comm {
         .map_err(|e| e.at_rank(self.rank))
     }
 
-    /// The engine of a call, or the error of a call nobody here serves.
-    fn engine<T: CommElement>(&self, op: ReduceOp) -> Result<Engine> {
-        let engine = route::<T>(op);
+    /// Whether the group's `Auto` table gives `count` elements of `dtype`
+    /// to NCCL and this communicator holds an NCCL fallback to run them.
+    fn nccl_wins(&self, count: usize, dtype: Dtype) -> bool {
+        #[cfg(feature = "nccl")]
+        {
+            match &self.inner {
+                Inner::Process(p) => p.nccl.is_ok() && p.group.nccl_wins(count, dtype),
+                Inner::Threads(t) => t.nccl.is_ok() && t.group.nccl_wins(count, dtype),
+            }
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            let _ = (count, dtype);
+            false
+        }
+    }
+
+    /// The engine of a call of `count` elements, or the error of a call
+    /// nobody here serves.
+    fn engine<T: CommElement>(&self, op: ReduceOp, count: usize) -> Result<Engine> {
+        let engine = route::<T>(op, |dtype| self.nccl_wins(count, dtype));
         if let Engine::Nccl(_) = engine {
             #[cfg(feature = "nccl")]
             {

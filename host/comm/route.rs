@@ -10,6 +10,9 @@ pub(super) enum Unserved {
     Op(ReduceOp),
     /// An element type without kernels.
     Type(&'static str),
+    /// A size the group's `Auto` table gives to NCCL (issue 44: NCCL
+    /// measured faster there, `thresholds::route`).
+    Size,
 }
 
 /// Which engine runs an allreduce.
@@ -20,18 +23,18 @@ pub(super) enum Engine {
 }
 
 /// Which engine serves an allreduce of `op` over `T`: **the one place
-/// where a `Comm` routes its calls.** Today by what the kernels compute
-/// (a `Sum` of f32, f16 or bf16); everything else is NCCL's.
-///
-/// A size-based decision (issue 44: sizes and links where NCCL is the
-/// faster one, e.g. a `nccl_wins(link, world, dtype, bytes)` table) plugs in
-/// here: give this function the message's bytes and the group's link and
-/// world, and return `Engine::Nccl` (with a new `Unserved` reason, say
-/// `Size`) where NCCL wins; the callers already send `Engine::Nccl` to the
-/// communicator's NCCL fallback and report it where there is none. (The
-/// fused `all_reduce_add_rms_norm` has no NCCL form and is not routed.)
-pub(super) fn route<T: CommElement>(op: ReduceOp) -> Engine {
+/// where a `Comm` routes its calls.** By what the kernels compute (a `Sum`
+/// of f32, f16 or bf16; everything else is NCCL's), then, for what they
+/// compute, by the group's `Auto` table: `nccl_wins(dtype)` says whether
+/// the table gives this call's size to NCCL (issue 44,
+/// `ProcessGroup::nccl_wins`, `PeerGroup::nccl_wins`). The caller passes
+/// `nccl_wins` only where it holds an NCCL fallback: a size NCCL is faster
+/// at is still the kernels' where there is none (they serve it, bit-exact,
+/// only slower), unlike a call they cannot serve. (The fused
+/// `all_reduce_add_rms_norm` has no NCCL form and is not routed.)
+pub(super) fn route<T: CommElement>(op: ReduceOp, nccl_wins: impl FnOnce(Dtype) -> bool) -> Engine {
     match (op, T::KERNEL_DTYPE) {
+        (ReduceOp::Sum, Some(dtype)) if nccl_wins(dtype) => Engine::Nccl(Unserved::Size),
         (ReduceOp::Sum, Some(dtype)) => Engine::Kernels(dtype),
         (ReduceOp::Sum, None) => Engine::Nccl(Unserved::Type(T::NAME)),
         (op, _) => Engine::Nccl(Unserved::Op(op)),

@@ -83,26 +83,62 @@ fn bytes_that_are_not_an_id_are_a_typed_error() {
 
 #[test]
 fn sums_of_kernel_types_go_to_the_kernels_and_the_rest_to_nccl() {
-    assert_eq!(route::<f32>(ReduceOp::Sum), Engine::Kernels(Dtype::F32));
     assert_eq!(
-        route::<half::f16>(ReduceOp::Sum),
+        route::<f32>(ReduceOp::Sum, |_| false),
+        Engine::Kernels(Dtype::F32)
+    );
+    assert_eq!(
+        route::<half::f16>(ReduceOp::Sum, |_| false),
         Engine::Kernels(Dtype::F16)
     );
     assert_eq!(
-        route::<half::bf16>(ReduceOp::Sum),
+        route::<half::bf16>(ReduceOp::Sum, |_| false),
         Engine::Kernels(Dtype::Bf16)
     );
     for op in [ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
-        assert_eq!(route::<half::bf16>(op), Engine::Nccl(Unserved::Op(op)));
-        assert_eq!(route::<i32>(op), Engine::Nccl(Unserved::Op(op)));
+        assert_eq!(
+            route::<half::bf16>(op, |_| false),
+            Engine::Nccl(Unserved::Op(op))
+        );
+        assert_eq!(route::<i32>(op, |_| false), Engine::Nccl(Unserved::Op(op)));
     }
     assert_eq!(
-        route::<f64>(ReduceOp::Sum),
+        route::<f64>(ReduceOp::Sum, |_| false),
         Engine::Nccl(Unserved::Type("f64"))
     );
     assert_eq!(
-        route::<u8>(ReduceOp::Sum),
+        route::<u8>(ReduceOp::Sum, |_| false),
         Engine::Nccl(Unserved::Type("u8"))
+    );
+}
+
+/// Issue 44's table: a size it gives to NCCL goes to the NCCL fallback,
+/// asked only for what the kernels could serve, with the kernels' dtype.
+#[test]
+fn sizes_the_table_gives_to_nccl_go_to_nccl() {
+    let asked = std::cell::Cell::new(None);
+    let wins = |d: Dtype| {
+        asked.set(Some(d));
+        true
+    };
+    assert_eq!(
+        route::<half::bf16>(ReduceOp::Sum, wins),
+        Engine::Nccl(Unserved::Size)
+    );
+    assert_eq!(asked.get(), Some(Dtype::Bf16));
+    asked.set(None);
+    assert_eq!(
+        route::<f64>(ReduceOp::Sum, wins),
+        Engine::Nccl(Unserved::Type("f64"))
+    );
+    assert_eq!(
+        route::<f32>(ReduceOp::Max, wins),
+        Engine::Nccl(Unserved::Op(ReduceOp::Max))
+    );
+    assert_eq!(
+        asked.get(),
+        None,
+        "the table is asked only for what the kernels serve"
     );
 }
 
