@@ -105,6 +105,16 @@ pub(crate) struct NcclOp {
     pub op: c_int,
 }
 
+impl NcclOp {
+    /// The sum of `dtype` elements (what the kernels' allreduce computes).
+    pub(crate) fn sum(dtype: Dtype) -> Self {
+        NcclOp {
+            data_type: nccl_dtype(dtype),
+            op: NCCL_SUM,
+        }
+    }
+}
+
 fn nccl_dtype(d: Dtype) -> c_int {
     match d {
         Dtype::F16 => 6,  // ncclFloat16

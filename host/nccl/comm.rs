@@ -2,8 +2,8 @@
 //! process's rank of several ([`NcclRank`]).
 
 use super::{
-    api, check, nccl_dtype, symmetric_api, unique_id, Api, NcclOp, RawComm, RawWindow,
-    SymmetricApi, UniqueId, NCCL_SUM, NCCL_WIN_COLL_SYMMETRIC, UNIQUE_ID_BYTES,
+    api, check, symmetric_api, unique_id, Api, NcclOp, RawComm, RawWindow, SymmetricApi, UniqueId,
+    NCCL_WIN_COLL_SYMMETRIC, UNIQUE_ID_BYTES,
 };
 use crate::abi::Dtype;
 use crate::element::DeviceElement;
@@ -34,28 +34,6 @@ impl Drop for Comm {
 }
 
 impl Comm {
-    /// Enqueues `ncclAllReduce(sum)` of `count` elements on `stream`.
-    ///
-    /// # Safety
-    /// `input` and `output` must be valid for `count` elements of `dtype` on
-    /// this communicator's device until the work on `stream` completes.
-    unsafe fn all_reduce(
-        &self,
-        a: &Api,
-        stream: &CudaStream,
-        dtype: Dtype,
-        count: usize,
-        input: u64,
-        output: u64,
-    ) -> Result<()> {
-        let op = NcclOp {
-            data_type: nccl_dtype(dtype),
-            op: NCCL_SUM,
-        };
-        // SAFETY: forwarded from the caller.
-        unsafe { self.all_reduce_op(a, stream, op, count, input, output) }
-    }
-
     /// Enqueues `ncclAllReduce` of `count` elements with `op`'s type and
     /// reduction on `stream`.
     ///
@@ -433,12 +411,8 @@ impl NcclGroup {
         inputs: &[u64],
         outputs: &[u64],
     ) -> Result<()> {
-        let op = NcclOp {
-            data_type: nccl_dtype(dtype),
-            op: NCCL_SUM,
-        };
         // SAFETY: forwarded from the caller.
-        unsafe { self.allreduce_op_raw(streams, op, count, inputs, outputs) }
+        unsafe { self.allreduce_op_raw(streams, NcclOp::sum(dtype), count, inputs, outputs) }
     }
 
     /// [`NcclGroup::allreduce_raw`] with any NCCL data type and reduction
@@ -591,10 +565,8 @@ impl NcclRank {
         input: u64,
         output: u64,
     ) -> Result<()> {
-        let a = api()?;
-        let _one_at_a_time = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: forwarded from the caller.
-        unsafe { self.comm.all_reduce(a, stream, dtype, count, input, output) }
+        unsafe { self.allreduce_op_raw(stream, NcclOp::sum(dtype), count, input, output) }
     }
 
     /// [`NcclRank::allreduce_raw`] with any NCCL data type and reduction
