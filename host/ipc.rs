@@ -12,7 +12,7 @@
 //! (`GroupMismatch`, `CrossHost`), before any buffer is allocated or any
 //! handle opened. Then each rank allocates its staging, scratch and signal
 //! buffers with plain `cuMemAlloc` (exportable), exports them with
-//! `cuIpcGetMemHandle`, and all-gathers the records ([`rendezvous`]);
+//! `cuIpcGetMemHandle`, and all-gathers the records ([`Exchange::all_gather`]);
 //! every record is checked (same world, same settings) before any peer's
 //! handles are opened.
 

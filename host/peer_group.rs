@@ -164,7 +164,7 @@ impl PeerGroup {
     }
 
     /// [`PeerGroup::allreduce`], except that under `AlgoChoice::Auto`, when
-    /// NCCL was enabled ([`PeerGroup::enable_nccl`]), a message goes to
+    /// NCCL was enabled (`PeerGroup::enable_nccl`, feature `nccl`), a message goes to
     /// NCCL where the table measured NCCL faster ([`PeerGroup::nccl_wins`]:
     /// a band won by `nccl` or `nccl_symmetric`; NCCL runs on the
     /// caller's buffers, so the symmetric kernels only where those lie in

@@ -301,7 +301,7 @@ impl Collective {
     /// are counted at the configured block size (a launch of at most as
     /// many threads fits wherever that one does); clusters at the plan's
     /// block size, whole clusters. Both cached when the group was made
-    /// ([`Kernels::prepare`]): no driver call here, as a call inside a
+    /// ([`crate::driver::Kernels::prepare`]): no driver call here, as a call inside a
     /// graph capture must not make one.
     fn co_resident(
         &self,
