@@ -45,6 +45,12 @@ pub struct BenchArgs {
     /// GPU to run virtual ranks on.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Virtual ranks: groups built per world one after another, each with
+    /// its own allocations and every one timed (rows repeat per group). A
+    /// run's timings depend on where its buffers land; comparing builds
+    /// over several groups averages that out.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub groups: u32,
     /// Real ranks, one per listed GPU, e.g. `0,1`: one process drives them
     /// all (a PeerGroup), or with `--procs` one process per GPU.
     #[arg(long, value_delimiter = ',')]
@@ -91,6 +97,11 @@ impl BenchArgs {
     /// than was asked for. Values equal to the defaults count as not given.
     pub fn unused_options(&self) -> Option<String> {
         let d = BenchArgs::default();
+        if self.groups != d.groups && (self.fused || !self.gpus.is_empty() || self.procs) {
+            return Some(
+                "--groups applies only to the size sweep on virtual ranks (no --fused, --gpus or --procs): leave it out".into(),
+            );
+        }
         let checks = if self.fused {
             vec![
                 (self.minbytes != d.minbytes, "-b/--minbytes"),
@@ -152,6 +163,7 @@ impl Default for BenchArgs {
             json: None,
             plot: None,
             device: 0,
+            groups: 1,
             gpus: Vec::new(),
             procs: false,
             max_blocks: None,

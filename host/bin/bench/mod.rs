@@ -485,6 +485,8 @@ mod tests {
             ],
             // A default value given explicitly changes nothing.
             &["--fused", "-d", "bf16"],
+            &["--groups", "4", "--world", "2,8"],
+            &["--gpus", "0,1", "--groups", "1"],
         ] {
             assert_eq!(bench(ok).unused_options(), None, "{ok:?}");
         }
@@ -500,6 +502,9 @@ mod tests {
             ),
             (&["--fused-ctas", "8"], &["--fused-ctas"]),
             (&["--hidden", "4096", "--world", "2"], &["--hidden"]),
+            (&["--groups", "3", "--gpus", "0,1"], &["--groups"]),
+            (&["--groups", "3", "--procs"], &["--groups"]),
+            (&["--groups", "2", "--fused"], &["--groups"]),
         ] {
             let msg = bench(bad).unused_options().expect("refused");
             for n in names {

@@ -34,7 +34,13 @@ pub(super) fn run_virtual(args: &BenchArgs, sizes: &[usize]) -> Rows {
     let fill_bits = fill_for(args, max_count);
     let mut rows = Vec::new();
     let mut failures = 0;
-    for &w in &args.world {
+    // Every group is kept until the end, so the next one gets new memory.
+    let mut kept = Vec::new();
+    for w in args
+        .world
+        .iter()
+        .flat_map(|&w| std::iter::repeat_n(w, args.groups as usize))
+    {
         let r = match args.datatype {
             Dtype::F32 => VirtualRunner::<f32>::new(&ctx, &stream, w, args, sizes, &fill_bits),
             Dtype::F16 => {
@@ -56,6 +62,7 @@ pub(super) fn run_virtual(args: &BenchArgs, sizes: &[usize]) -> Rows {
                 );
                 rows.extend(r);
                 failures += f;
+                kept.push(runner);
             }
             Err(e) => {
                 println!("# world {w}: cannot create the group: {e}");
