@@ -9,8 +9,8 @@
 #   scripts/device-runs.sh sanitize   # compute-sanitizer over the changed kernels
 #   scripts/device-runs.sh sanitize2  # the same over the two-process engine shapes, the fused op
 #   scripts/device-runs.sh python  # the torch package's GPU tests (carried wheel)
-#   AB="base new" ROUNDS=5 scripts/device-runs.sh ab
-#       # builds alternated ROUNDS times (.carry/bin/p2p-allreduce-<build>;
+#   AB="base new" ROUNDS=5 GROUPS=3 scripts/device-runs.sh ab
+#       # builds alternated ROUNDS times, each over GROUPS groups per world (.carry/bin/p2p-allreduce-<build>;
 #       # `new` is .carry/bin/p2p-allreduce), summarised by scripts/ab_summary.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +76,7 @@ ab)
   for i in $(seq 1 "${ROUNDS:-5}"); do
     for v in ${AB:-base new}; do
       bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
-      step "ab/bench-$v-$i" 100 "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --json "$OUT/ab/bench-$v-$i.json"
+      step "ab/bench-$v-$i" 100 "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
     done
   done
   python3 scripts/ab_summary.py "$OUT/ab" ${AB:-base new} | tee "$OUT/ab-summary.md"
