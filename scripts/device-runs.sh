@@ -76,7 +76,7 @@ ab)
   for i in $(seq 1 "${ROUNDS:-5}"); do
     for v in ${AB:-base new}; do
       bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
-      step "ab/bench-$v-$i" 100 "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
+      step "ab/bench-$v-$i" $((100 * ${GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
     done
   done
   python3 scripts/ab_summary.py "$OUT/ab" ${AB:-base new} | tee "$OUT/ab-summary.md"
