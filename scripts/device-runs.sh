@@ -8,7 +8,7 @@
 #   scripts/device-runs.sh suite   # GPU suite, then base/new benches alternated
 #   scripts/device-runs.sh sanitize   # compute-sanitizer over the changed kernels
 #   scripts/device-runs.sh sanitize2  # the same over the two-process engine shapes, the fused op
-#   scripts/device-runs.sh python  # the torch package's GPU tests (carried wheel)
+#   scripts/device-runs.sh python [TESTS]  # the torch package's GPU tests (carried wheel)
 #   AB="base new" ROUNDS=5 GROUPS=3 scripts/device-runs.sh ab
 #       # builds alternated ROUNDS times, each over GROUPS groups per world (.carry/bin/p2p-allreduce-<build>;
 #       # `new` is .carry/bin/p2p-allreduce), summarised by scripts/ab_summary.py
@@ -67,7 +67,9 @@ sanitize2)
 python)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/p2p-site .carry/whl/*.whl || exit 1
   export PYTHONPATH=/tmp/p2p-site PYTHONUNBUFFERED=1
-  step python-gpu-tests 500 bash -c 'cd python/tests && python3 -m unittest -v test_gpu'
+  # An optional second argument picks tests, e.g.
+  # test_gpu.GpuTests.test_two_processes_on_gpu0_calls_that_differ.
+  step python-gpu-tests 500 bash -c "cd python/tests && python3 -m unittest -v ${2:-test_gpu}"
   cat "$OUT/python-gpu-tests.log" | tail -n 40
   ;;
 ab)
@@ -78,9 +80,13 @@ ab)
       bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
       step "ab/bench-$v-$i" $((100 * ${GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
     done
+    # After every round, so that a call cut short still brings back the
+    # rounds it finished (few files come back: the summary and one archive).
+    python3 scripts/ab_summary.py "$OUT/ab" ${AB:-base new} > "$OUT/ab-summary.md"
+    tar -C "$OUT" -czf "$OUT/ab.tgz" ab
   done
-  python3 scripts/ab_summary.py "$OUT/ab" ${AB:-base new} | tee "$OUT/ab-summary.md"
-  tar -C "$OUT" -czf "$OUT/ab.tgz" ab && rm -rf "$OUT/ab"
+  cat "$OUT/ab-summary.md"
+  rm -rf "$OUT/ab"
   ;;
 *) echo "usage: $0 suite|sanitize|sanitize2|python|ab" >&2; exit 2 ;;
 esac
