@@ -9,8 +9,9 @@
 #   scripts/device-runs.sh sanitize   # compute-sanitizer over the changed kernels
 #   scripts/device-runs.sh sanitize2  # the same over the two-process engine shapes, the fused op
 #   scripts/device-runs.sh python [TESTS]  # the torch package's GPU tests (carried wheel)
-#   AB="base new" ROUNDS=5 GROUPS=3 scripts/device-runs.sh ab
-#       # builds alternated ROUNDS times, each over GROUPS groups per world (.carry/bin/p2p-allreduce-<build>;
+#   AB="base new" ROUNDS=5 AB_GROUPS=3 scripts/device-runs.sh ab
+#       # (not GROUPS: bash sets that to the user's group ids)
+#       # builds alternated ROUNDS times, each over AB_GROUPS groups per world (.carry/bin/p2p-allreduce-<build>;
 #       # `new` is .carry/bin/p2p-allreduce), summarised by scripts/ab_summary.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,7 +79,7 @@ ab)
   for i in $(seq 1 "${ROUNDS:-5}"); do
     for v in ${AB:-base new}; do
       bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
-      step "ab/bench-$v-$i" $((100 * ${GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
+      step "ab/bench-$v-$i" $((100 * ${AB_GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${AB_GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
     done
     # After every round, so that a call cut short still brings back the
     # rounds it finished (few files come back: the summary and one archive).
