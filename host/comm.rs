@@ -78,11 +78,11 @@ mod route;
 
 use gather::{Call, Gather, Threads};
 pub use id::{Id, ID_BYTES, ID_MAX_PATH};
-#[cfg(not(feature = "nccl"))]
-use route::NO_NCCL;
 #[cfg(feature = "nccl")]
-use route::{nccl_op, process_nccl, thread_nccl, Fallback};
-use route::{route, unserved, Engine};
+use route::{nccl_op, no_fallback, process_nccl, thread_nccl, Fallback};
+use route::{route, Engine};
+#[cfg(not(feature = "nccl"))]
+use route::{unserved, NO_NCCL};
 
 /// The reductions of `cudarc::nccl::ReduceOp`. The kernels serve `Sum`;
 /// the others go to NCCL (feature `nccl`) or are `Error::CommUnserved`.
@@ -502,10 +502,11 @@ impl Comm {
     fn nccl_wins(&self, count: usize, dtype: Dtype) -> bool {
         #[cfg(feature = "nccl")]
         {
-            match &self.inner {
-                Inner::Process(p) => p.nccl.is_ok() && p.group.nccl_wins(count, dtype),
-                Inner::Threads(t) => t.nccl.is_ok() && t.group.nccl_wins(count, dtype),
-            }
+            self.nccl_missing().is_none()
+                && match &self.inner {
+                    Inner::Process(p) => p.group.nccl_wins(count, dtype),
+                    Inner::Threads(t) => t.group.nccl_wins(count, dtype),
+                }
         }
         #[cfg(not(feature = "nccl"))]
         {
@@ -514,23 +515,24 @@ impl Comm {
         }
     }
 
+    /// Why this communicator has no NCCL fallback, or `None` if it has one.
+    #[cfg(feature = "nccl")]
+    fn nccl_missing(&self) -> Option<&str> {
+        match &self.inner {
+            Inner::Process(p) => p.nccl.as_ref().err(),
+            Inner::Threads(t) => t.nccl.as_ref().err(),
+        }
+        .map(String::as_str)
+    }
+
     /// The engine of a call of `count` elements, or the error of a call
     /// nobody here serves.
     fn engine<T: CommElement>(&self, op: ReduceOp, count: usize) -> Result<Engine> {
         let engine = route::<T>(op, |dtype| self.nccl_wins(count, dtype));
         if let Engine::Nccl(_) = engine {
             #[cfg(feature = "nccl")]
-            {
-                let missing = match &self.inner {
-                    Inner::Process(p) => p.nccl.as_ref().err(),
-                    Inner::Threads(t) => t.nccl.as_ref().err(),
-                };
-                if let Some(why) = missing {
-                    return Err(unserved::<T>(
-                        op,
-                        format!("this communicator has no NCCL fallback: {why}"),
-                    ));
-                }
+            if let Some(why) = self.nccl_missing() {
+                return Err(no_fallback::<T>(op, why));
             }
             #[cfg(not(feature = "nccl"))]
             return Err(unserved::<T>(op, NO_NCCL.into()));
@@ -571,9 +573,7 @@ impl Comm {
             }
             #[cfg(feature = "nccl")]
             (Inner::Process(p), Engine::Nccl(_)) => {
-                let nccl = p.nccl.as_ref().map_err(|why| {
-                    unserved::<T>(op, format!("this communicator has no NCCL fallback: {why}"))
-                })?;
+                let nccl = p.nccl.as_ref().map_err(|why| no_fallback::<T>(op, why))?;
                 p.group.poll()?;
                 // SAFETY: forwarded from the caller.
                 unsafe {

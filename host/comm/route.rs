@@ -57,6 +57,13 @@ pub(super) fn unserved<T: CommElement>(op: ReduceOp, why: String) -> Error {
     }
 }
 
+/// `Error::CommUnserved` for a call that needs the NCCL fallback this
+/// communicator does not have, because `why`.
+#[cfg(feature = "nccl")]
+pub(super) fn no_fallback<T: CommElement>(op: ReduceOp, why: &str) -> Error {
+    unserved::<T>(op, format!("this communicator has no NCCL fallback: {why}"))
+}
+
 /// Why this build has no NCCL fallback.
 #[cfg(not(feature = "nccl"))]
 pub(super) const NO_NCCL: &str =

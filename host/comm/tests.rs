@@ -1,7 +1,7 @@
 //! Unit tests of the communicator: its id, the thread gather, the routing and the CPU-side checks.
 
 use super::gather::{mismatch, share};
-use super::route::Unserved;
+use super::route::{unserved, Unserved};
 use super::*;
 
 #[test]
