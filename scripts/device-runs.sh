@@ -26,6 +26,24 @@ step() { # name timeout command...
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1 || { echo "== $name: FAILED (exit $?)"; status=1; }
   tail -n 3 "$OUT/$name.log"
 }
+# The builds named in $AB (default "base new") alternated $ROUNDS times
+# (default 5), each run over $AB_GROUPS groups per world (default 1); the
+# summary and one archive are rewritten after every round, so that a call
+# cut short still brings back the rounds it finished (few files come back).
+ab_runs() {
+  mkdir -p "$OUT/ab"
+  local i v bin
+  for i in $(seq 1 "${ROUNDS:-5}"); do
+    for v in ${AB:-base new}; do
+      bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
+      step "ab/bench-$v-$i" $((100 * ${AB_GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${AB_GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
+    done
+    python3 scripts/ab_summary.py "$OUT/ab" ${AB:-base new} > "$OUT/ab-summary.md"
+    tar -C "$OUT" -czf "$OUT/ab.tgz" ab
+  done
+  cat "$OUT/ab-summary.md"
+  rm -rf "$OUT/ab"
+}
 case "${1:-}" in
 suite)
   nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
@@ -35,12 +53,7 @@ suite)
   step tp-mlp-threads 120 "$B/tp_mlp_threads" --world 2 --gpu 0
   step tp-mlp-processes 120 "$B/tp_mlp_processes" --world 2 --gpu 0
   # Cost: base and new alternated, virtual ranks, 4 KiB and 64 KiB.
-  for i in 1 2 3; do
-    for v in base new; do
-      bin=$B/p2p-allreduce; [ "$v" = base ] && bin=$B/p2p-allreduce-base
-      step "bench-$v-$i" 100 "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --json "$OUT/bench-$v-$i.json"
-    done
-  done
+  AB="base new" ROUNDS=${ROUNDS:-3} ab_runs
   ;;
 sanitize)
   CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer)
@@ -75,19 +88,7 @@ python)
   ;;
 ab)
   nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
-  mkdir -p "$OUT/ab"
-  for i in $(seq 1 "${ROUNDS:-5}"); do
-    for v in ${AB:-base new}; do
-      bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
-      step "ab/bench-$v-$i" $((100 * ${AB_GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${AB_GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
-    done
-    # After every round, so that a call cut short still brings back the
-    # rounds it finished (few files come back: the summary and one archive).
-    python3 scripts/ab_summary.py "$OUT/ab" ${AB:-base new} > "$OUT/ab-summary.md"
-    tar -C "$OUT" -czf "$OUT/ab.tgz" ab
-  done
-  cat "$OUT/ab-summary.md"
-  rm -rf "$OUT/ab"
+  ab_runs
   ;;
 *) echo "usage: $0 suite|sanitize|sanitize2|python|ab" >&2; exit 2 ;;
 esac
