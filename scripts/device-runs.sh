@@ -12,7 +12,12 @@
 #   AB="base new" ROUNDS=5 AB_GROUPS=3 scripts/device-runs.sh ab
 #       # (not GROUPS: bash sets that to the user's group ids)
 #       # builds alternated ROUNDS times, each over AB_GROUPS groups per world (.carry/bin/p2p-allreduce-<build>;
-#       # `new` is .carry/bin/p2p-allreduce), summarised by scripts/ab_summary.py
+#       # `new` is .carry/bin/p2p-allreduce), summarised by scripts/ab_summary.py;
+#       # AB_ALGOS (bench --algo, default all) and AB_TAG (names the summary and archive) optional
+#   NCU_BUILDS="base new" NCU_KERNEL=allreduce_push_ll_bf16_w8_virtual NCU_ALGO=push_ll NCU_WORLD=8 \
+#     scripts/device-runs.sh ncu
+#       # Nsight Compute over NCU_KERNEL of each build (10 launches at 4 KiB, no cache
+#       # flush, no clock lock), one CSV per build
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -31,18 +36,20 @@ step() { # name timeout command...
 # summary and one archive are rewritten after every round, so that a call
 # cut short still brings back the rounds it finished (few files come back).
 ab_runs() {
-  mkdir -p "$OUT/ab"
-  local i v bin
+  local tag=${AB_TAG:-ab}
+  mkdir -p "$OUT/$tag"
+  local i v bin algos=()
+  [ -n "${AB_ALGOS:-}" ] && algos=(--algo "$AB_ALGOS")
   for i in $(seq 1 "${ROUNDS:-5}"); do
     for v in ${AB:-base new}; do
       bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
-      step "ab/bench-$v-$i" $((100 * ${AB_GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 --groups "${AB_GROUPS:-1}" --json "$OUT/ab/bench-$v-$i.json"
+      step "$tag/bench-$v-$i" $((100 * ${AB_GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 "${algos[@]}" --groups "${AB_GROUPS:-1}" --json "$OUT/$tag/bench-$v-$i.json"
     done
-    python3 scripts/ab_summary.py "$OUT/ab" ${AB:-base new} > "$OUT/ab-summary.md"
-    tar -C "$OUT" -czf "$OUT/ab.tgz" ab
+    python3 scripts/ab_summary.py "$OUT/$tag" ${AB:-base new} > "$OUT/$tag-summary.md"
+    tar -C "$OUT" -czf "$OUT/$tag.tgz" "$tag"
   done
-  cat "$OUT/ab-summary.md"
-  rm -rf "$OUT/ab"
+  [ -f "$OUT/$tag-summary.md" ] && cat "$OUT/$tag-summary.md"
+  rm -rf "${OUT:?}/$tag"
 }
 case "${1:-}" in
 suite)
@@ -52,7 +59,7 @@ suite)
   # Issue 45's examples: two ranks on GPU 0, bit for bit against the CPU.
   step tp-mlp-threads 120 "$B/tp_mlp_threads" --world 2 --gpu 0
   step tp-mlp-processes 120 "$B/tp_mlp_processes" --world 2 --gpu 0
-  # Cost: base and new alternated, virtual ranks, 4 KiB and 64 KiB.
+  # Cost: base and new alternated, virtual ranks, 4 KiB and 64 KiB (ROUNDS=0: none).
   AB="base new" ROUNDS=${ROUNDS:-3} ab_runs
   ;;
 sanitize)
@@ -90,6 +97,17 @@ ab)
   nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
   ab_runs
   ;;
-*) echo "usage: $0 suite|sanitize|sanitize2|python|ab" >&2; exit 2 ;;
+ncu)
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
+  for v in ${NCU_BUILDS:-base new}; do
+    bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
+    step "ncu-$v" 300 "$NCU" --kernel-name "${NCU_KERNEL:-allreduce_push_ll_bf16_w8_virtual}" --launch-skip 40 --launch-count 10 \
+      --cache-control none --clock-control none --section SpeedOfLight --section LaunchStats \
+      --section WarpStateStats --section InstructionStats --section SchedulerStats --csv --page details \
+      "$bin" bench --world "${NCU_WORLD:-8}" --algo "${NCU_ALGO:-push_ll}" -b 4K -e 4K -n 5 --no-check
+  done
+  (cd "$OUT" && tar -czf ncu.tgz ncu-*.log && rm -f ncu-*.log)
+  ;;
+*) echo "usage: $0 suite|sanitize|sanitize2|python|ab|ncu" >&2; exit 2 ;;
 esac
 exit $status
