@@ -7,6 +7,7 @@
 #
 #   scripts/device-runs.sh suite   # GPU suite, then base/new benches alternated
 #   scripts/device-runs.sh sanitize   # compute-sanitizer over the changed kernels
+#                                     # (SAN_QUICK=1: check --quick and the injected mismatches only)
 #   scripts/device-runs.sh sanitize2  # the same over the two-process engine shapes, the fused op
 #   scripts/device-runs.sh python [TESTS]  # the torch package's GPU tests (carried wheel)
 #   AB="base new" ROUNDS=5 AB_GROUPS=3 scripts/device-runs.sh ab
@@ -70,9 +71,9 @@ sanitize)
   for tool in memcheck racecheck synccheck initcheck; do
     san check-quick "$tool" "$B/p2p-allreduce" check --quick
     san injected "$tool" "$B/test-gpu" ranks_that_disagree_injected
-    san peer-group "$tool" "$B/test-gpu" peer_group_one_gpu
+    [ "${SAN_QUICK:-0}" = 1 ] || san peer-group "$tool" "$B/test-gpu" peer_group_one_gpu
   done
-  san fused-split racecheck "$B/test-gpu" fused_push_ll_split
+  [ "${SAN_QUICK:-0}" = 1 ] || san fused-split racecheck "$B/test-gpu" fused_push_ll_split
   ;;
 sanitize2)
   CS=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer)
