@@ -32,6 +32,9 @@ step() { # name timeout command...
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1 || { echo "== $name: FAILED (exit $?)"; status=1; }
   tail -n 3 "$OUT/$name.log"
 }
+# The binary of build $1: .carry/bin/p2p-allreduce-<build>, `new` the
+# plain .carry/bin/p2p-allreduce.
+build_bin() { if [ "$1" = new ]; then echo "$B/p2p-allreduce"; else echo "$B/p2p-allreduce-$1"; fi; }
 # The builds named in $AB (default "base new") alternated $ROUNDS times
 # (default 5), each run over $AB_GROUPS groups per world (default 1); the
 # summary and one archive are rewritten after every round, so that a call
@@ -43,7 +46,7 @@ ab_runs() {
   [ -n "${AB_ALGOS:-}" ] && algos=(--algo "$AB_ALGOS")
   for i in $(seq 1 "${ROUNDS:-5}"); do
     for v in ${AB:-base new}; do
-      bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
+      bin=$(build_bin "$v")
       step "$tag/bench-$v-$i" $((100 * ${AB_GROUPS:-1})) "$bin" bench --world 2,8 -b 4K -e 64K -f 16 -n 100 "${algos[@]}" --groups "${AB_GROUPS:-1}" --json "$OUT/$tag/bench-$v-$i.json"
     done
     python3 scripts/ab_summary.py "$OUT/$tag" ${AB:-base new} > "$OUT/$tag-summary.md"
@@ -101,7 +104,7 @@ ab)
 ncu)
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu)
   for v in ${NCU_BUILDS:-base new}; do
-    bin=$B/p2p-allreduce-$v; [ "$v" = new ] && bin=$B/p2p-allreduce
+    bin=$(build_bin "$v")
     step "ncu-$v" 300 "$NCU" --kernel-name "${NCU_KERNEL:-allreduce_push_ll_bf16_w8_virtual}" --launch-skip 40 --launch-count 10 \
       --cache-control none --clock-control none --section SpeedOfLight --section LaunchStats \
       --section WarpStateStats --section InstructionStats --section SchedulerStats --csv --page details \
